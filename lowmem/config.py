@@ -1,0 +1,132 @@
+"""Typed stage parameters, resolved from ``params.yaml`` for one profile.
+
+``params.yaml`` has a ``base`` block (profile, seed) and one block per DVC stage. A value that differs by profile is
+written as a mapping with the keys ``smoke``, ``cpu`` and ``paper``; ``resolve`` picks the active one. Each stage's
+dataclass checks its values when built, so a bad parameter stops a run before any work, with a message that names
+the parameter and what is allowed.
+
+``python -m lowmem.config STAGE [--params params.yaml] [--out FILE]`` writes the resolved, checked parameters as
+YAML, which papermill reads with ``-f`` (see ``dvc.yaml``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lowmem.models import parse_model_name
+
+PROFILES = ("smoke", "cpu", "paper")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ParamError(ValueError):
+    """A parameter in params.yaml (or a notebook's parameters cell) is not allowed."""
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ParamError(f"{name}={value!r} is not allowed; use one of: {', '.join(allowed)}")
+
+
+def _check_batch_sizes(name: str, value: Any) -> None:
+    if not isinstance(value, list) or not value:
+        raise ParamError(f"{name} must be a non-empty list of positive integers, got {value!r}")
+    for b in value:
+        if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+            raise ParamError(f"{name} must hold positive integers (a batch size of 0 or below is meaningless), got {b!r}")
+
+
+def _check_model(name: str, value: Any) -> None:
+    try:
+        parse_model_name(value)
+    except ValueError as e:
+        raise ParamError(f"{name}: {e}") from None
+
+
+@dataclass
+class MemoryProfileParams:
+    """Stage ``memory_profile``: where the memory of one WRN training step goes (notebook 01)."""
+
+    profile: str = "smoke"
+    seed: int = 0  # seeds the weights and batch of the measured runs
+    model: str = "wrn-28-2"
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32  # pixels per side
+    lr: float = 0.1  # only so the optimizer step is the recipe's; memory does not depend on it
+    accounted_batch_sizes: list[int] = field(default_factory=lambda: [1, 128])  # accounted at full size on meta
+    measured_batch_sizes: list[int] = field(default_factory=lambda: [2])  # run for real on `device`
+    reference_batch_size: int = 128  # the batch whose breakdown goes into the metrics; must be accounted
+    device: str = "auto"  # where measured steps run: cuda if available under "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_model("model", self.model)
+        _check_choice("device", self.device, DEVICES)
+        _check_batch_sizes("accounted_batch_sizes", self.accounted_batch_sizes)
+        _check_batch_sizes("measured_batch_sizes", self.measured_batch_sizes)
+        if self.reference_batch_size not in self.accounted_batch_sizes:
+            raise ParamError(
+                f"reference_batch_size={self.reference_batch_size!r} must be one of accounted_batch_sizes {self.accounted_batch_sizes}"
+            )
+        for name in ("num_classes", "in_channels", "image_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ParamError(f"{name} must be a positive integer, got {v!r}")
+
+
+STAGES: dict[str, type] = {"memory_profile": MemoryProfileParams}
+
+
+def _pick(value: Any, profile: str) -> Any:
+    if isinstance(value, dict) and set(value) == set(PROFILES):
+        return value[profile]
+    return value
+
+
+def resolve(stage: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The flat, checked parameters of ``stage`` for the profile named in ``params['base']``."""
+    _check_choice("stage", stage, tuple(STAGES))
+    base = params.get("base", {})
+    profile = base.get("profile")
+    _check_choice("base.profile", profile, PROFILES)
+    cls = STAGES[stage]
+    known = {f.name for f in dataclasses.fields(cls)}
+    block = params.get(stage, {})
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ParamError(f"unknown parameter(s) {unknown} in params.yaml block {stage!r}; known: {sorted(known)}")
+    values = {"profile": profile, **{k: v for k, v in base.items() if k in known and k != "profile"}}
+    values.update({k: _pick(v, profile) for k, v in block.items()})
+    return dataclasses.asdict(cls(**values))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", help=f"one of {', '.join(STAGES)}")
+    ap.add_argument("--params", default="params.yaml", type=Path)
+    ap.add_argument("--out", type=Path, help="write here instead of stdout")
+    args = ap.parse_args(argv)
+    try:
+        resolved = resolve(args.stage, yaml.safe_load(args.params.read_text()))
+    except ParamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = yaml.safe_dump(resolved, sort_keys=False)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowmem.config import PROFILES, ParamError, main, resolve
+
+PARAMS = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
+
+
+def with_(base: dict | None = None, **block: object) -> dict:
+    p = {"base": {**PARAMS["base"], **(base or {})}, "memory_profile": {**PARAMS["memory_profile"], **block}}
+    return p
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profile_keyed_values_are_picked_for_the_active_profile(profile: str) -> None:
+    r = resolve("memory_profile", with_({"profile": profile}))
+    assert r["profile"] == profile
+    assert r["measured_batch_sizes"] == PARAMS["memory_profile"]["measured_batch_sizes"][profile]
+    assert r["accounted_batch_sizes"] == PARAMS["memory_profile"]["accounted_batch_sizes"]
+
+
+@pytest.mark.parametrize(
+    "params,name",
+    [
+        (with_({"profile": "fast"}), "base.profile"),
+        (with_(accounted_batch_sizes=[1, 0, 4]), "accounted_batch_sizes"),
+        (with_(measured_batch_sizes=[-2]), "measured_batch_sizes"),
+        (with_(model="resnet-50"), "model"),
+        (with_(device="tpu"), "device"),
+        (with_(reference_batch_size=3), "reference_batch_size"),
+        (with_(batch=4), "unknown parameter"),
+    ],
+)
+def test_bad_parameters_name_the_parameter_and_what_is_allowed(params: dict, name: str) -> None:
+    with pytest.raises(ParamError, match=name):
+        resolve("memory_profile", params)
+
+
+def test_cli_stops_before_writing_anything(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "params.yaml"
+    bad.write_text(yaml.safe_dump(with_({"profile": "huge"})))
+    out = tmp_path / "resolved.yaml"
+    assert main(["memory_profile", "--params", str(bad), "--out", str(out)]) == 2
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert "base.profile" in err and "smoke, cpu, paper" in err
