@@ -1,0 +1,93 @@
+"""The memory profile of WRN training (Sohoni et al. 2019, Sec. 3, the baseline breakdown): one fp32 step of the
+recipe's SGD at each batch size, accounted at full size on the meta device, and measured for real where asked."""
+
+from __future__ import annotations
+
+import time
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from lowmem.accounting import CATEGORIES, MIB, MemoryReport, account_step, standard_step
+from lowmem.config import MemoryProfileParams
+from lowmem.measure import measure_step
+from lowmem.models import build_model
+from lowmem.recipe import SGDRecipe, make_optimizer
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' was asked for but CUDA is not available; use device='auto' or 'cpu'")
+    return torch.device(name)
+
+
+def _setup(p: MemoryProfileParams, batch_size: int, device: torch.device):  # type: ignore[no-untyped-def]
+    torch.manual_seed(p.seed)
+    with torch.device(device):
+        model = build_model(p.model, num_classes=p.num_classes, in_channels=p.in_channels)
+        x = torch.randn(batch_size, p.in_channels, p.image_size, p.image_size)
+        y = torch.randint(0, p.num_classes, (batch_size,))
+    opt = make_optimizer(model, SGDRecipe(lr=p.lr))
+    return standard_step(model, opt, (x, y), F.cross_entropy), model, opt, (x, y)
+
+
+def account(p: MemoryProfileParams, batch_size: int, device: str | torch.device = "meta") -> tuple[MemoryReport, float]:
+    """Accounted report of one step, and the seconds the accounting took."""
+    t0 = time.perf_counter()
+    step, model, opt, batch = _setup(p, batch_size, torch.device(device))
+    report = account_step(step, model, opt, batch)
+    return report, time.perf_counter() - t0
+
+
+def measure(p: MemoryProfileParams, batch_size: int, device: torch.device) -> tuple[int, str]:
+    step, model, opt, batch = _setup(p, batch_size, device)
+    return measure_step(step, model, opt, batch)
+
+
+def _row(batch_size: int, source: str, r: MemoryReport, seconds: float) -> dict:
+    row: dict = {"batch_size": batch_size, "source": source}
+    row.update({f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES})
+    row.update(total_mib=r.peak / MIB, peak_phase=r.peak_phase, seconds=seconds)
+    return row
+
+
+def breakdown(p: MemoryProfileParams) -> pd.DataFrame:
+    """One row per accounted batch size (meta device), then one per measured batch size with its gap."""
+    rows = []
+    for b in p.accounted_batch_sizes:
+        report, secs = account(p, b)
+        rows.append(_row(b, "accounted", report, secs))
+    device = resolve_device(p.device)
+    for b in p.measured_batch_sizes:
+        report, _ = account(p, b)
+        t0 = time.perf_counter()
+        measured, how = measure(p, b, device)
+        row = {"batch_size": b, "source": f"measured ({device.type})", "measured_mib": measured / MIB}
+        row.update(accounted_mib=report.peak / MIB, gap_pct=100 * (report.peak - measured) / measured)
+        row.update(method=how, seconds=time.perf_counter() - t0)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summary(p: MemoryProfileParams, df: pd.DataFrame) -> dict:
+    """The metrics DVC tracks: the breakdown at the reference batch, and the accounted-vs-measured gaps."""
+    ref = df[(df.source == "accounted") & (df.batch_size == p.reference_batch_size)].iloc[0]
+    measured = df[df.source != "accounted"]
+    with torch.device("meta"):
+        n_params = sum(t.numel() for t in build_model(p.model, p.num_classes, p.in_channels).parameters())
+    return {
+        "profile": p.profile,
+        "model": p.model,
+        "parameters": n_params,
+        "reference_batch_size": p.reference_batch_size,
+        "at_peak_mib": {**{c: round(float(ref[f"{c}_mib"]), 3) for c in CATEGORIES}, "total": round(float(ref.total_mib), 3)},
+        "activation_share": round(float(ref.activations_mib / ref.total_mib), 4),
+        "account_seconds": round(float(ref.seconds), 3),
+        "measured": {
+            "device": measured.source.iloc[0].removeprefix("measured (").rstrip(")"),
+            "gap_pct": {f"b{int(r.batch_size)}": round(float(r.gap_pct), 3) for r in measured.itertuples()},
+            "max_abs_gap_pct": round(float(measured.gap_pct.abs().max()), 3),
+        },
+    }

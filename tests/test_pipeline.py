@@ -1,0 +1,66 @@
+"""The DVC pipeline end to end at the smoke profile, in a throwaway copy of the repository."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).parents[1]
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The working tree as git sees it (tracked and untracked-not-ignored files), in a fresh git repo."""
+    dst = tmp_path_factory.mktemp("repo")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True)
+    for rel in files.stdout.splitlines():
+        if (ROOT / rel).is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dst / rel)
+    run(["git", "init", "-q"], dst)
+    params = yaml.safe_load((dst / "params.yaml").read_text())
+    params["base"]["profile"] = "smoke"
+    (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return dst
+
+
+@pytest.mark.slow
+def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
+    first = run(["dvc", "repro"], repo)
+    assert first.returncode == 0, first.stdout + first.stderr
+    metrics = json.loads((repo / "metrics/memory_profile.json").read_text())
+    assert metrics["profile"] == "smoke"
+    assert metrics["parameters"] == 1_467_610
+    assert abs(metrics["measured"]["max_abs_gap_pct"]) < 5
+    for f in ("01_memory_breakdown.png", "01_memory_breakdown.csv", "01_memory_breakdown.md", "01_accounted_vs_measured.md"):
+        assert (repo / "figures" / f).stat().st_size > 0
+    assert "profile `smoke`" in (repo / "figures/01_memory_breakdown.md").read_text()
+    shown = run(["dvc", "metrics", "show"], repo)
+    assert "at_peak_mib.activations" in shown.stdout
+    second = run(["dvc", "repro"], repo)
+    assert second.returncode == 0
+    assert "Running stage" not in second.stdout
+
+
+@pytest.mark.slow
+def test_a_bad_profile_stops_the_stage_before_any_work(repo: Path) -> None:
+    figures = {p.name: p.read_bytes() for p in (repo / "figures").glob("*")}
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["base"]["profile"] = "huge"
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = run(["dvc", "repro"], repo)
+    assert r.returncode != 0
+    assert "base.profile='huge' is not allowed; use one of: smoke, cpu, paper" in r.stdout + r.stderr
+    # DVC removes a stage's outputs before running it; none may come back half-written.
+    for p in (repo / "figures").glob("*"):
+        assert p.name in figures and p.read_bytes() == figures[p.name]
