@@ -9,18 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from lowmem.accounting import CATEGORIES, MIB, MemoryReport, account_step, standard_step
-from lowmem.config import MemoryProfileParams
+from lowmem.config import MemoryProfileParams, resolve_device
 from lowmem.measure import measure_step
 from lowmem.models import build_model
 from lowmem.recipe import SGDRecipe, make_optimizer
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' was asked for but CUDA is not available; use device='auto' or 'cpu'")
-    return torch.device(name)
 
 
 def _setup(p: MemoryProfileParams, batch_size: int, device: torch.device):  # type: ignore[no-untyped-def]

@@ -1,0 +1,216 @@
+"""Training WRN on an image dataset with the paper's recipe, and the memory techniques as one configuration.
+
+Every accuracy in the study comes from ``train``: the baseline, each technique and each combination go through the
+same loop. The recipe (paper notes): SGD with Nesterov momentum 0.9, weight decay 5e-4, lr 0.1 multiplied by 0.2 at
+30%, 60% and 80% of the steps (epochs 60/120/160 of 200), so the schedule scales with the run's length.
+
+Runs are resumable: a checkpoint is written (then renamed into place) after every epoch, and every epoch reseeds
+the RNGs from (seed, epoch), so a resumed run draws the same batches and augmentations as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm import tqdm
+
+from lowmem.config import BaselineParams, resolve_device
+from lowmem.data import load, subset
+from lowmem.models import build_model
+from lowmem.recipe import SGDRecipe, make_optimizer
+
+
+@dataclass(frozen=True)
+class Techniques:
+    """The paper's four memory levers for one run; all off by default, and any combination can be written.
+
+    Only microbatching is implemented so far; the other fields accept their "off" value alone and reject anything
+    else with an error, until their modules exist.
+    """
+
+    sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense
+    precision: str = "fp32"  # storage precision of the step
+    microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
+    checkpoint: str = "none"  # gradient-checkpointing strategy
+
+    def __post_init__(self) -> None:
+        if self.sparsity != 0.0:
+            raise ValueError(f"sparsity={self.sparsity} is not available: the sparsity module is not built yet; use 0.0")
+        if self.precision != "fp32":
+            raise ValueError(f"precision={self.precision!r} is not available: the low-precision module is not built yet; use 'fp32'")
+        if self.checkpoint != "none":
+            raise ValueError(f"checkpoint={self.checkpoint!r} is not available: the checkpointing module is not built yet; use 'none'")
+        if not isinstance(self.microbatch, int) or self.microbatch < 0:
+            raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
+
+
+def _noop(_: str) -> None:
+    pass
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    tech: Techniques = Techniques(),
+    mark: Callable[[str], None] = _noop,
+) -> float:
+    """One optimizer step on the batch (x, y); returns its mean loss. ``mark`` names the phases for the accountant."""
+    optimizer.zero_grad(set_to_none=True)
+    size = tech.microbatch or len(x)
+    total = 0.0
+    for xb, yb in zip(x.split(size), y.split(size)):
+        mark("forward")
+        # Each microbatch's mean loss is weighted by its share of the batch, so the accumulated gradient is the
+        # full batch's mean-loss gradient even when the last microbatch is smaller.
+        loss = F.cross_entropy(model(xb), yb) * (len(xb) / len(x))
+        mark("backward")
+        loss.backward()
+        total += loss.item()
+    mark("optimizer")
+    optimizer.step()
+    return total
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """(accuracy, mean loss) on ``loader``."""
+    model.eval()
+    correct, loss_sum, n = 0, 0.0, 0
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        out = model(x)
+        loss_sum += F.cross_entropy(out, y, reduction="sum").item()
+        correct += (out.argmax(1) == y).sum().item()
+        n += len(y)
+    return correct / n, loss_sum / n
+
+
+def _peak_memory_mib(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20, "torch.cuda.max_memory_allocated"
+    # No CPU allocator counter exists; the process's peak resident set is the honest whole-process number.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
+
+
+def _save(path: Path, state: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(
+    p: BaselineParams,
+    seed: int,
+    run_dir: str | Path,
+    tech: Techniques = Techniques(),
+    progress: bool = True,
+    on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Trains one run and returns one metrics row per epoch. Resumes from ``run_dir/checkpoint.pt`` when it holds
+    the same configuration; a checkpoint of another configuration is set aside, never mixed in."""
+    device = resolve_device(p.device)
+    data = load(p.dataset, p.data_root, augment=p.augment, seed=0)
+    # The subsets are fixed across seeds: seeds vary the initialization and the batch order, not the data.
+    train_set, test_set = subset(data.train, p.train_subset, 0), subset(data.test, p.test_subset, 0)
+    test_loader = DataLoader(test_set, batch_size=max(p.batch_size, 256), num_workers=p.num_workers)
+
+    torch.manual_seed(seed)
+    model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
+    optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
+    # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.
+    steps_per_epoch = -(-len(train_set) // p.batch_size)  # type: ignore[arg-type]
+    milestones = sorted({max(1, round(f * p.epochs * steps_per_epoch)) for f in p.milestones})
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=p.gamma)
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = run_dir / "checkpoint.pt"
+    config = {"params": asdict(p), "seed": seed, "techniques": asdict(tech)}
+    history: list[dict[str, Any]] = []
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=device, weights_only=True)
+        if state["config"] == config:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            history = state["history"]
+        else:
+            os.replace(ckpt, run_dir / "checkpoint.other-config.pt")
+
+    for epoch in range(len(history), p.epochs):
+        # Batches and augmentations depend only on (seed, epoch): the same after a resume.
+        torch.manual_seed(seed * 100_003 + epoch)
+        order = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        loader = DataLoader(train_set, batch_size=p.batch_size, shuffle=True, generator=order, num_workers=p.num_workers)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        model.train()
+        loss_sum, n_seen, step_times = 0.0, 0, []
+        t_epoch = time.perf_counter()
+        # Plain-text tqdm with a slow refresh: under papermill --log-output it streams to the terminal as log lines.
+        bar = tqdm(loader, desc=f"seed {seed} epoch {epoch + 1}/{p.epochs}", disable=not progress, mininterval=10)
+        for x, y in bar:
+            x, y = x.to(device), y.to(device)
+            t0 = time.perf_counter()
+            loss = train_step(model, optimizer, x, y, tech)
+            scheduler.step()
+            step_times.append(time.perf_counter() - t0)
+            loss_sum += loss * len(y)
+            n_seen += len(y)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+        train_seconds = time.perf_counter() - t_epoch
+        lr = optimizer.param_groups[0]["lr"]
+        acc, test_loss = evaluate(model, test_loader, device)
+        peak, how = _peak_memory_mib(device)
+        row = {
+            "seed": seed,
+            "epoch": epoch + 1,
+            "data": data.source,
+            "train_examples": len(train_set),  # type: ignore[arg-type]
+            "test_examples": len(test_set),  # type: ignore[arg-type]
+            "lr_end": lr,
+            "train_loss": loss_sum / n_seen,
+            "test_loss": test_loss,
+            "test_acc": acc,
+            "images_per_s": n_seen / train_seconds,
+            "step_s": sum(step_times) / len(step_times),
+            "epoch_s": time.perf_counter() - t_epoch,
+            "peak_mem_mib": peak,
+            "peak_mem_method": how,
+        }
+        history.append(row)
+        if progress:
+            tqdm.write(f"seed {seed} epoch {epoch + 1}/{p.epochs}: train loss {row['train_loss']:.4f}, test acc {acc:.4f}, {row['images_per_s']:.0f} img/s")
+        state = {"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        _save(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
+        if on_epoch_end is not None:
+            on_epoch_end(epoch + 1, row)
+    return history
+
+
+def summarize(final: list[dict[str, Any]]) -> dict[str, Any]:
+    """Metrics of a set of finished runs (one final-epoch row per seed): accuracy as mean and spread over seeds."""
+    accs = torch.tensor([r["test_acc"] for r in final], dtype=torch.float64)
+    return {
+        "seeds": [r["seed"] for r in final],
+        "test_acc_mean": round(accs.mean().item(), 5),
+        "test_acc_std": round(accs.std().item(), 5) if len(accs) > 1 else 0.0,
+        "test_acc_min": round(accs.min().item(), 5),
+        "test_acc_max": round(accs.max().item(), 5),
+        "images_per_s": round(sum(r["images_per_s"] for r in final) / len(final), 1),
+        "step_s": round(sum(r["step_s"] for r in final) / len(final), 4),
+        "peak_mem_mib": round(max(r["peak_mem_mib"] for r in final), 1),
+        "peak_mem_method": final[0]["peak_mem_method"],
+    }

@@ -1,0 +1,112 @@
+"""The trainer: it learns, it is deterministic, it resumes exactly, and microbatching keeps the maths."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lowmem.config import BaselineParams, ParamError
+from lowmem.train import Techniques, train, train_step
+
+TIMING = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
+
+
+def tiny(tmp_path: Path, **kw: object) -> BaselineParams:
+    base = dict(dataset="synthetic", data_root=str(tmp_path / "raw"), model="wrn-10-1", epochs=2, batch_size=32, device="cpu")
+    return BaselineParams(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def results(history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING} for row in history]
+
+
+def test_a_few_steps_reduce_the_loss(tmp_path: Path) -> None:
+    from lowmem.data import load
+    from lowmem.models import build_model
+
+    d = load("synthetic", tmp_path, synthetic_size=(128, 16))
+    x = torch.stack([d.train[i][0] for i in range(64)])
+    y = torch.tensor([d.train[i][1] for i in range(64)])
+    torch.manual_seed(0)
+    model = build_model("wrn-10-1")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = [train_step(model, opt, x, y) for _ in range(15)]
+    assert losses[-1] < 0.6 * losses[0]
+    assert all(b < a for a, b in zip(losses, losses[1:]))
+
+
+def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None:
+    p = tiny(tmp_path, epochs=1)
+    a = train(p, 0, tmp_path / "a", progress=False)
+    b = train(p, 0, tmp_path / "b", progress=False)
+    c = train(p, 1, tmp_path / "c", progress=False)
+    assert results(a) == results(b)
+    assert results(a) != results(c)
+
+
+def test_an_interrupted_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
+    p = tiny(tmp_path, epochs=3)
+    whole = train(p, 0, tmp_path / "whole", progress=False)
+
+    def interrupt(epoch: int, _: dict) -> None:
+        if epoch == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(p, 0, tmp_path / "cut", progress=False, on_epoch_end=interrupt)
+    resumed = train(p, 0, tmp_path / "cut", progress=False)
+    assert len(resumed) == 3
+    assert results(resumed) == results(whole)
+
+
+def test_a_checkpoint_of_another_configuration_is_not_resumed(tmp_path: Path) -> None:
+    train(tiny(tmp_path, epochs=1), 0, tmp_path / "run", progress=False)
+    other = train(tiny(tmp_path, epochs=1, lr=0.05), 0, tmp_path / "run", progress=False)
+    fresh = train(tiny(tmp_path, epochs=1, lr=0.05), 0, tmp_path / "fresh", progress=False)
+    assert results(other) == results(fresh)
+    assert (tmp_path / "run/checkpoint.other-config.pt").exists()
+
+
+@pytest.mark.parametrize("batch,micro", [(12, 4), (12, 5), (12, 1), (12, 12)])
+def test_microbatched_gradients_equal_the_full_batch_without_batchnorm(batch: int, micro: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, y = torch.randn(batch, 3, 8, 8), torch.randint(0, 5, (batch,))
+    grads = []
+    for m in (0, micro):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights as they were
+        train_step(model, opt, x, y, Techniques(microbatch=m))
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for full, accumulated in zip(*grads):
+        torch.testing.assert_close(accumulated, full, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatching_a_batchnorm_model_changes_its_statistics() -> None:
+    # BN normalizes each microbatch with its own statistics, so the gradient is not the full batch's (issue: microbatching).
+    from lowmem.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("wrn-10-1")
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    g = []
+    for m in (0, 2):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        train_step(model, opt, x, y, Techniques(microbatch=m))
+        g.append(model.conv1.weight.grad.clone())
+    assert not torch.allclose(g[0], g[1], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kw,name",
+    [({"dataset": "imagenet"}, "dataset"), ({"epochs": 0}, "epochs"), ({"epochs": -3}, "epochs"), ({"lr": 0.0}, "lr"), ({"lr": -0.1}, "lr"), ({"batch_size": 0}, "batch_size")],
+)
+def test_bad_training_parameters_name_themselves(tmp_path: Path, kw: dict, name: str) -> None:
+    with pytest.raises(ParamError, match=name):
+        tiny(tmp_path, **kw)
+
+
+@pytest.mark.parametrize("kw", [{"sparsity": 0.9}, {"precision": "bf16"}, {"checkpoint": "every-block"}, {"microbatch": -1}])
+def test_techniques_not_built_yet_fail_clearly(kw: dict) -> None:
+    with pytest.raises(ValueError, match="not available|microbatch"):
+        Techniques(**kw)  # type: ignore[arg-type]
