@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("model", "gradients", "optimizer", "activations", "other")
+_recomputing = 0  # > 0 while gradient checkpointing recomputes a segment's forward
 PHASES = ("setup", "forward", "backward", "optimizer")
 MIB = 2**20
 
@@ -46,7 +48,7 @@ class StorageRecord:
     alloc: int  # event index at which it appeared
     free: int | None = None  # event index at which it was freed; None if alive at the end
     saved: bool = False  # saved for backward by autograd
-    role: str = ""  # "param", "buffer", "grad", "state", "input" where known
+    role: str = ""  # "param", "buffer", "grad", "state", "input", "recomputed" where known
     name: str = ""
     category: str = "other"
 
@@ -133,6 +135,9 @@ class _Ledger(TorchDispatchMode):
         else:
             idx = len(self.records)
             rec = StorageRecord(st.nbytes(), t.dtype, st.nbytes() // t.element_size(), self._event())
+            if _recomputing:
+                # Recomputed forward tensors are kept for the segment's backward by checkpoint's own hooks, not ours.
+                rec.role = "recomputed"
             self.records.append(rec)
             self._live[key] = idx
             # PyTorch keeps a storage's Python object alive as long as the storage, so this fires on the real free.
@@ -161,6 +166,28 @@ class _Ledger(TorchDispatchMode):
         return t.detach()
 
 
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks tensors created inside as recomputed activations (entered by ``lowmem.checkpoint`` on recompute)."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
+
+
+def forward_saved_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
+    """Bytes autograd saves when ``module`` runs forward on ``inputs``: its inputs count if saved, its parameters
+    and buffers do not. Works on the meta device; the per-block costs of the checkpoint planner come from here."""
+    ledger = _Ledger()
+    for t in (*module.parameters(), *module.buffers()):
+        ledger.track(t, "param")
+    with ledger, torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t):
+        module(*inputs)
+    return sum(r.nbytes for r in ledger.records if r.saved and r.role != "param")
+
+
 def _categorize(rec: StorageRecord) -> str:
     if rec.role in ("param", "buffer"):
         return "model"
@@ -168,7 +195,7 @@ def _categorize(rec: StorageRecord) -> str:
         return "gradients"
     if rec.role == "state":
         return "optimizer"
-    if rec.role != "input" and rec.saved:
+    if rec.role == "recomputed" or (rec.role != "input" and rec.saved):
         return "activations"
     return "other"
 

@@ -131,7 +131,41 @@ class BaselineParams:
                 raise ParamError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
 
 
-STAGES: dict[str, type] = {"memory_profile": MemoryProfileParams, "baseline": BaselineParams}
+@dataclass
+class CheckpointingParams:
+    """Stage ``checkpointing``: strategies compared at full size, and timed (notebook 06)."""
+
+    profile: str = "smoke"
+    seed: int = 0
+    model: str = "wrn-28-2"
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    batch_size: int = 128  # accounted at full size on the meta device
+    strategies: list[str] = field(default_factory=lambda: ["none", "block", "sqrt", "selective", "optimal-0.5"])
+    timing_batch_size: int = 4  # real steps on `device`
+    timing_repeats: int = 1  # timed steps per strategy (after one warm-up); the median is reported
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        from lowmem.checkpoint import parse
+
+        _check_choice("profile", self.profile, PROFILES)
+        _check_model("model", self.model)
+        _check_choice("device", self.device, DEVICES)
+        _check_batch_sizes("batch_size", [self.batch_size])
+        _check_batch_sizes("timing_batch_size", [self.timing_batch_size])
+        _check_batch_sizes("timing_repeats", [self.timing_repeats])
+        if "none" not in self.strategies:
+            raise ParamError(f"strategies must include 'none', the reference of every ratio; got {self.strategies}")
+        for spec in self.strategies:
+            try:
+                parse(spec)
+            except ValueError as e:
+                raise ParamError(f"strategies: {e}") from None
+
+
+STAGES: dict[str, type] = {"memory_profile": MemoryProfileParams, "baseline": BaselineParams, "checkpointing": CheckpointingParams}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -10,6 +10,7 @@ the RNGs from (seed, epoch), so a resumed run draws the same batches and augment
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import time
@@ -24,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from lowmem import checkpoint
 from lowmem.config import BaselineParams, resolve_device
 from lowmem.data import load, subset
 from lowmem.models import build_model
@@ -34,22 +36,21 @@ from lowmem.recipe import SGDRecipe, make_optimizer
 class Techniques:
     """The paper's four memory levers for one run; all off by default, and any combination can be written.
 
-    Only microbatching is implemented so far; the other fields accept their "off" value alone and reject anything
-    else with an error, until their modules exist.
+    Microbatching and checkpointing are implemented; sparsity and precision accept their "off" value alone and
+    reject anything else with an error, until their modules exist.
     """
 
     sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense
     precision: str = "fp32"  # storage precision of the step
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
-    checkpoint: str = "none"  # gradient-checkpointing strategy
+    checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.checkpoint: none, block, every-K, sqrt, ...
 
     def __post_init__(self) -> None:
         if self.sparsity != 0.0:
             raise ValueError(f"sparsity={self.sparsity} is not available: the sparsity module is not built yet; use 0.0")
         if self.precision != "fp32":
             raise ValueError(f"precision={self.precision!r} is not available: the low-precision module is not built yet; use 'fp32'")
-        if self.checkpoint != "none":
-            raise ValueError(f"checkpoint={self.checkpoint!r} is not available: the checkpointing module is not built yet; use 'none'")
+        checkpoint.parse(self.checkpoint)
         if not isinstance(self.microbatch, int) or self.microbatch < 0:
             raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
 
@@ -104,6 +105,15 @@ def _peak_memory_mib(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
 
 
+def _code_version() -> str:
+    """A hash of lowmem's source: a checkpoint written by other code is never resumed (DVC reruns a stage when its
+    code changes, and must then really retrain)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def _save(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -128,6 +138,7 @@ def train(
 
     torch.manual_seed(seed)
     model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
+    checkpoint.apply(model, tech.checkpoint, (p.batch_size, data.in_channels, 32, 32))
     optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
     # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.
     steps_per_epoch = -(-len(train_set) // p.batch_size)  # type: ignore[arg-type]
@@ -137,7 +148,7 @@ def train(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / "checkpoint.pt"
-    config = {"params": asdict(p), "seed": seed, "techniques": asdict(tech)}
+    config = {"params": asdict(p), "seed": seed, "techniques": asdict(tech), "code": _code_version()}
     history: list[dict[str, Any]] = []
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=True)

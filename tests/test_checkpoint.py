@@ -1,0 +1,132 @@
+"""Checkpointing keeps the maths (gradients, BN statistics, dropout masks), and the planner finds the optimum."""
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowmem import checkpoint
+from lowmem.accounting import profile_step
+from lowmem.checkpoint import BlockCost
+from lowmem.models import build_model
+from lowmem.train import Techniques, train_step
+
+SPECS = ["block", "every-2", "every-3", "sqrt", "selective", "optimal-0.3", "optimal-0"]
+
+
+def _grads_and_stats(model: nn.Module, spec: str, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
+    checkpoint.apply(model, spec, tuple(x.shape))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    torch.manual_seed(1)  # the same dropout masks for every strategy, if checkpoint restores the RNG on recompute
+    train_step(model, opt, x, y)
+    return [p.grad for p in model.parameters()], [b.clone() for b in model.buffers()]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_wrn_gradients_and_bn_statistics_equal_the_unmodified_step(spec: str) -> None:
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    torch.manual_seed(0)
+    plain = build_model("wrn-16-1")
+    ckpt = build_model("wrn-16-1")
+    ckpt.load_state_dict(plain.state_dict())
+    g0, b0 = _grads_and_stats(plain, "none", x, y)
+    g1, b1 = _grads_and_stats(ckpt, spec, x, y)
+    assert isinstance(ckpt.blocks, checkpoint.CheckpointedChain) or spec == "optimal-0"
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # Running mean/var moved once, and num_batches_tracked counted the step once.
+    for a, b in zip(b0, b1):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert int(ckpt.blocks[0].bn1.num_batches_tracked) == 1
+
+
+class DropoutChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.5)) for _ in range(4)])
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+@pytest.mark.parametrize("spec", ["block", "every-2", "sqrt", "selective"])
+def test_dropout_draws_the_same_mask_when_recomputed(spec: str) -> None:
+    x, y = torch.randn(8, 16), torch.randint(0, 3, (8,))
+    torch.manual_seed(0)
+    plain = DropoutChain()
+    ckpt = DropoutChain()
+    ckpt.load_state_dict(plain.state_dict())
+    g0, _ = _grads_and_stats(plain, "none", x, y)
+    g1, _ = _grads_and_stats(ckpt, spec, x, y)
+    assert any(g.abs().sum() > 0 for g in g0)
+    for a, b in zip(g0, g1):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def _brute_force(costs: list[BlockCost], max_recompute: float) -> int:
+    n, best = len(costs), None
+    for cuts in itertools.product([False, True], repeat=n - 1):
+        bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+        spans = list(zip(bounds, bounds[1:]))
+        for flags in itertools.product([False, True], repeat=len(spans)):
+            segs = [(s, e, f) for (s, e), f in zip(spans, flags)]
+            mem, rec = checkpoint.modelled(costs, segs)
+            if rec <= max_recompute and (best is None or mem < best):
+                best = mem
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_the_planner_matches_brute_force_on_small_chains(trial: int) -> None:
+    rng = random.Random(trial)
+    costs = []
+    for _ in range(6):
+        x = rng.randint(1, 20)
+        costs.append(BlockCost(input_bytes=x, saved_bytes=x + rng.randint(0, 60), flops=rng.randint(1, 10)))
+    total = sum(c.flops for c in costs)
+    for frac in (0.0, 0.2, 0.5, 0.8, 1.0):
+        segs = checkpoint.optimal(costs, max_recompute=frac * total)
+        mem, rec = checkpoint.modelled(costs, segs)
+        assert rec <= frac * total
+        assert mem == _brute_force(costs, frac * total)
+
+
+def test_the_memory_budget_form_picks_the_least_recompute_that_fits() -> None:
+    costs = [BlockCost(4, 20, 3), BlockCost(4, 30, 5), BlockCost(2, 10, 1), BlockCost(2, 12, 2)]
+    front = checkpoint.frontier(costs)
+    for mem, rec, segs in front:
+        chosen = checkpoint.optimal(costs, max_memory=mem)
+        assert checkpoint.modelled(costs, chosen) == (mem, rec)
+    with pytest.raises(ValueError, match="no segmentation fits"):
+        checkpoint.optimal(costs, max_memory=min(m for m, _, _ in front) - 1)
+
+
+@pytest.mark.parametrize("spec", SPECS[:-1])
+def test_every_strategy_lowers_the_accounted_peak_of_wrn_28_2(spec: str) -> None:
+    def peak(s: str) -> int:
+        with torch.device("meta"):
+            m = build_model("wrn-28-2")
+            batch = (torch.empty(32, 3, 32, 32), torch.zeros(32, dtype=torch.long))
+        checkpoint.apply(m, s, (32, 3, 32, 32))
+        return profile_step(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), batch, F.cross_entropy).peak
+
+    assert peak(spec) < peak("none")
+
+
+def test_the_trainer_takes_a_checkpoint_strategy() -> None:
+    torch.manual_seed(0)
+    m = build_model("wrn-10-1")
+    checkpoint.apply(m, Techniques(checkpoint="block").checkpoint)
+    loss = train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
+    assert loss > 0
+
+
+@pytest.mark.parametrize("bad", ["blocks", "every-0", "every-1.5", "optimal", "optimal-x", "sqrt-2"])
+def test_unknown_strategies_list_the_valid_ones(bad: str) -> None:
+    with pytest.raises(ValueError, match="none, block, every-K, sqrt, selective, optimal-B"):
+        checkpoint.parse(bad)
