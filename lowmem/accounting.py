@@ -53,6 +53,12 @@ class StorageRecord:
     category: str = "other"
 
 
+class Workspace(Protocol):
+    """Bytes an op allocates internally beyond its outputs (a backend property; see ``lowmem.measure``)."""
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> int: ...
+
+
 class StorageFormat(Protocol):
     """Bytes that one storage needs in the format being accounted (dense, 16-bit, CSR, ...)."""
 
@@ -113,8 +119,9 @@ class MemoryReport:
 class _Ledger(TorchDispatchMode):
     """Records every storage an op creates, and when each is freed."""
 
-    def __init__(self) -> None:
+    def __init__(self, workspace: Workspace | None = None) -> None:
         super().__init__()
+        self.workspace = workspace
         self.records: list[StorageRecord] = []
         self.phases: list[str] = []  # phase of each event
         self.phase = "setup"
@@ -156,6 +163,12 @@ class _Ledger(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t)
+        if self.workspace is not None:
+            ws = self.workspace(func, args, kwargs or {})
+            if ws > 0:  # a spike on top of the op's outputs, gone when the op returns
+                rec = StorageRecord(ws, torch.uint8, ws, self._event(), role="workspace")
+                rec.free = self._event()
+                self.records.append(rec)
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -217,17 +230,19 @@ def account_step(
     inputs: Iterable[torch.Tensor] = (),
     fmt: StorageFormat = dense,
     warmup: bool = True,
+    workspace: Workspace | None = None,
 ) -> MemoryReport:
     """Accounts one call of ``step(mark)``, a full training step that calls ``mark(phase)`` as it enters each phase.
 
     With ``warmup`` the step runs once untracked first, so optimizer state that is created lazily exists, as it
-    does in every step but the first. This updates the model like any training step.
+    does in every step but the first. This updates the model like any training step. ``workspace``, if given,
+    adds each op's internal workspace (counted as "other") at the moment the op runs.
     """
     if warmup:
         step(lambda _: None)
     optimizer.zero_grad(set_to_none=True)  # as measure_step does, so both start from the same live set
     names = {p: n for n, p in model.named_parameters()}
-    ledger = _Ledger()
+    ledger = _Ledger(workspace)
     for n, p in model.named_parameters():
         ledger.track(p, "param", n)
         if p.grad is not None:
