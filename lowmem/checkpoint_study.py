@@ -8,29 +8,18 @@ import time
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem import checkpoint
-from lowmem.accounting import MIB, account_step, standard_step
+from lowmem.accounting import MIB, account_step
+from lowmem.measure import CPUWorkspace, measure_step
 from lowmem.config import CheckpointingParams, resolve_device
 from lowmem.models import build_model
-from lowmem.recipe import make_optimizer
-
-
-def _setup(p: CheckpointingParams, spec: str, batch_size: int, device: torch.device):  # type: ignore[no-untyped-def]
-    torch.manual_seed(p.seed)
-    with torch.device(device):
-        model = build_model(p.model, num_classes=p.num_classes, in_channels=p.in_channels)
-        x = torch.randn(batch_size, p.in_channels, p.image_size, p.image_size)
-        y = torch.randint(0, p.num_classes, (batch_size,))
-    checkpoint.apply(model, spec, tuple(x.shape))
-    opt = make_optimizer(model)
-    return standard_step(model, opt, (x, y), F.cross_entropy), model, opt, (x, y)
+from lowmem.memory_study import wrn_step
 
 
 def _step_flops(p: CheckpointingParams, spec: str) -> int:
-    step, *_ = _setup(p, spec, p.batch_size, torch.device("meta"))
+    step, *_ = wrn_step(p, p.batch_size, torch.device("meta"), spec)
     with FlopCounterMode(display=False) as fc:
         step(lambda _: None)
     return fc.get_total_flops()
@@ -48,7 +37,7 @@ def accounted(p: CheckpointingParams) -> pd.DataFrame:
     base_flops = _step_flops(p, "none")
     rows = []
     for spec in p.strategies:
-        step, model, opt, batch = _setup(p, spec, p.batch_size, torch.device("meta"))
+        step, model, opt, batch = wrn_step(p, p.batch_size, torch.device("meta"), spec)
         r = account_step(step, model, opt, batch)
         segments = checkpoint.plan(spec, len(costs), costs)
         # The planner models segmentations only; a selective policy keeps part of each block, which it cannot see.
@@ -85,7 +74,7 @@ def step_times(p: CheckpointingParams) -> pd.DataFrame:
     """Seconds per training step of each strategy on ``p.device``, interleaved round by round so that drift in the
     machine's speed hits every strategy alike; the ratio is against 'none' in the same run."""
     device = resolve_device(p.device)
-    setups = {spec: _setup(p, spec, p.timing_batch_size, device)[0] for spec in p.strategies}
+    setups = {spec: wrn_step(p, p.timing_batch_size, device, spec)[0] for spec in p.strategies}
     for step in setups.values():
         step(lambda _: None)  # warm-up: allocations, lazy optimizer state
     times: dict[str, list[float]] = {spec: [] for spec in p.strategies}
@@ -102,3 +91,22 @@ def step_times(p: CheckpointingParams) -> pd.DataFrame:
     return pd.DataFrame(
         [{"strategy": s, "step_s": statistics.median(t), "step_time_ratio": statistics.median(t) / base, "device": device.type} for s, t in times.items()]
     )
+
+
+def verified(p: CheckpointingParams) -> pd.DataFrame:
+    """Accounted against measured peak for each strategy, for real at ``p.timing_batch_size`` on ``p.device``. On the
+    CPU the account is given twice: tensors only, and with each op's measured workspace added."""
+    device = resolve_device(p.device)
+    workspace = CPUWorkspace() if device.type == "cpu" else None
+    rows = []
+    for spec in p.strategies:
+        step, model, opt, batch = wrn_step(p, p.timing_batch_size, device, spec)
+        tensors_only = account_step(step, model, opt, batch).peak
+        measured, how = measure_step(step, model, opt, batch)
+        row = {"strategy": spec, "check_accounted_mib": tensors_only / MIB, "check_measured_mib": measured / MIB}
+        row["check_gap_pct"] = 100 * (tensors_only - measured) / measured
+        if workspace is not None:
+            with_ws = account_step(step, model, opt, batch, workspace=workspace).peak
+            row.update(check_accounted_ws_mib=with_ws / MIB, check_gap_ws_pct=100 * (with_ws - measured) / measured)
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -8,33 +8,38 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from lowmem.accounting import CATEGORIES, MIB, MemoryReport, account_step, standard_step
-from lowmem.config import MemoryProfileParams, resolve_device
-from lowmem.measure import measure_step
+from lowmem.accounting import CATEGORIES, MIB, MemoryReport, Workspace, account_step, standard_step
+from lowmem import checkpoint
+from lowmem.config import CheckpointingParams, MemoryProfileParams, resolve_device
+from lowmem.measure import CPUWorkspace, measure_step
 from lowmem.models import build_model
 from lowmem.recipe import SGDRecipe, make_optimizer
 
 
-def _setup(p: MemoryProfileParams, batch_size: int, device: torch.device):  # type: ignore[no-untyped-def]
+def wrn_step(p: MemoryProfileParams | CheckpointingParams, batch_size: int, device: torch.device, checkpoint_spec: str = "none"):  # type: ignore[no-untyped-def]
+    """The recipe's fp32 step of ``p.model`` on a random batch, with a checkpoint strategy: (step, model, opt, batch)."""
     torch.manual_seed(p.seed)
     with torch.device(device):
         model = build_model(p.model, num_classes=p.num_classes, in_channels=p.in_channels)
         x = torch.randn(batch_size, p.in_channels, p.image_size, p.image_size)
         y = torch.randint(0, p.num_classes, (batch_size,))
-    opt = make_optimizer(model, SGDRecipe(lr=p.lr))
+    checkpoint.apply(model, checkpoint_spec, tuple(x.shape))
+    opt = make_optimizer(model, SGDRecipe(lr=getattr(p, "lr", SGDRecipe.lr)))
     return standard_step(model, opt, (x, y), F.cross_entropy), model, opt, (x, y)
 
 
-def account(p: MemoryProfileParams, batch_size: int, device: str | torch.device = "meta") -> tuple[MemoryReport, float]:
+def account(
+    p: MemoryProfileParams, batch_size: int, device: str | torch.device = "meta", workspace: Workspace | None = None
+) -> tuple[MemoryReport, float]:
     """Accounted report of one step, and the seconds the accounting took."""
     t0 = time.perf_counter()
-    step, model, opt, batch = _setup(p, batch_size, torch.device(device))
-    report = account_step(step, model, opt, batch)
+    step, model, opt, batch = wrn_step(p, batch_size, torch.device(device))
+    report = account_step(step, model, opt, batch, workspace=workspace)
     return report, time.perf_counter() - t0
 
 
 def measure(p: MemoryProfileParams, batch_size: int, device: torch.device) -> tuple[int, str]:
-    step, model, opt, batch = _setup(p, batch_size, device)
+    step, model, opt, batch = wrn_step(p, batch_size, device)
     return measure_step(step, model, opt, batch)
 
 
@@ -52,12 +57,17 @@ def breakdown(p: MemoryProfileParams) -> pd.DataFrame:
         report, secs = account(p, b)
         rows.append(_row(b, "accounted", report, secs))
     device = resolve_device(p.device)
+    workspace = CPUWorkspace() if device.type == "cpu" else None
     for b in p.measured_batch_sizes:
         report, _ = account(p, b)
         t0 = time.perf_counter()
         measured, how = measure(p, b, device)
         row = {"batch_size": b, "source": f"measured ({device.type})", "measured_mib": measured / MIB}
         row.update(accounted_mib=report.peak / MIB, gap_pct=100 * (report.peak - measured) / measured)
+        if workspace is not None:
+            # The same meta-device account plus each op's CPU workspace, measured once per op signature.
+            with_ws, _ = account(p, b, workspace=workspace)
+            row.update(accounted_ws_mib=with_ws.peak / MIB, gap_ws_pct=100 * (with_ws.peak - measured) / measured)
         row.update(method=how, seconds=time.perf_counter() - t0)
         rows.append(row)
     return pd.DataFrame(rows)
@@ -81,5 +91,10 @@ def summary(p: MemoryProfileParams, df: pd.DataFrame) -> dict:
             "device": measured.source.iloc[0].removeprefix("measured (").rstrip(")"),
             "gap_pct": {f"b{int(r.batch_size)}": round(float(r.gap_pct), 3) for r in measured.itertuples()},
             "max_abs_gap_pct": round(float(measured.gap_pct.abs().max()), 3),
+            **(
+                {"max_abs_gap_with_cpu_workspace_pct": round(float(measured.gap_ws_pct.abs().max()), 3)}
+                if "gap_ws_pct" in measured
+                else {}
+            ),
         },
     }
