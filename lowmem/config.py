@@ -165,7 +165,49 @@ class CheckpointingParams:
                 raise ParamError(f"strategies: {e}") from None
 
 
-STAGES: dict[str, type] = {"memory_profile": MemoryProfileParams, "baseline": BaselineParams, "checkpointing": CheckpointingParams}
+@dataclass
+class MicrobatchingParams:
+    """Stage ``microbatching``: memory against the microbatch size b at full size, and accuracy and throughput of
+    training with per-microbatch BatchNorm and its remedies (notebook 05). Training uses the ``baseline`` block."""
+
+    INHERITS = "baseline"  # the resolved baseline block arrives as `train`
+
+    profile: str = "smoke"
+    seed: int = 0
+    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    batch_size: int = 128  # B of the memory study
+    memory_microbatches: list[int] = field(default_factory=lambda: [128, 32])  # b values accounted at batch B
+    norms: list[str] = field(default_factory=lambda: ["batch", "group", "renorm"])
+    train_microbatches: list[int] = field(default_factory=lambda: [0, 16])  # b values trained; 0 = b = B (no split)
+    train_seeds: list[int] = field(default_factory=lambda: [0])
+    train: dict = field(default_factory=dict)  # the baseline block, resolved
+
+    def __post_init__(self) -> None:
+        from lowmem.microbatch import NORMS
+
+        _check_choice("profile", self.profile, PROFILES)
+        _check_model("model", self.model)
+        _check_batch_sizes("batch_size", [self.batch_size])
+        _check_batch_sizes("memory_microbatches", self.memory_microbatches)
+        if max(self.memory_microbatches) > self.batch_size:
+            raise ParamError(f"memory_microbatches must not exceed batch_size={self.batch_size}: {self.memory_microbatches}")
+        for n in self.norms:
+            _check_choice("norms", n, NORMS)
+        if not self.train_microbatches or not all(isinstance(b, int) and b >= 0 for b in self.train_microbatches):
+            raise ParamError(f"train_microbatches must be integers >= 0 (0 = no split), got {self.train_microbatches!r}")
+        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
+            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+
+
+STAGES: dict[str, type] = {
+    "memory_profile": MemoryProfileParams,
+    "baseline": BaselineParams,
+    "checkpointing": CheckpointingParams,
+    "microbatching": MicrobatchingParams,
+}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -197,6 +239,8 @@ def resolve(stage: str, params: dict[str, Any]) -> dict[str, Any]:
         raise ParamError(f"unknown parameter(s) {unknown} in params.yaml block {stage!r}; known: {sorted(known)}")
     values = {"profile": profile, **{k: v for k, v in base.items() if k in known and k != "profile"}}
     values.update({k: _pick(v, profile) for k, v in block.items()})
+    if hasattr(cls, "INHERITS"):
+        values["train"] = resolve(cls.INHERITS, params)
     return dataclasses.asdict(cls(**values))
 
 

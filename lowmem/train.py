@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from lowmem import checkpoint
+from lowmem import checkpoint, microbatch
 from lowmem.config import BaselineParams, resolve_device
 from lowmem.data import load, subset
 from lowmem.models import build_model
@@ -36,13 +36,14 @@ from lowmem.recipe import SGDRecipe, make_optimizer
 class Techniques:
     """The paper's four memory levers for one run; all off by default, and any combination can be written.
 
-    Microbatching and checkpointing are implemented; sparsity and precision accept their "off" value alone and
-    reject anything else with an error, until their modules exist.
+    Microbatching (with its normalization choice) and checkpointing are implemented; sparsity and precision accept
+    their "off" value alone and reject anything else with an error, until their modules exist.
     """
 
     sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense
     precision: str = "fp32"  # storage precision of the step
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
+    norm: str = "batch"  # normalization layers, see lowmem.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.checkpoint: none, block, every-K, sqrt, ...
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class Techniques:
         checkpoint.parse(self.checkpoint)
         if not isinstance(self.microbatch, int) or self.microbatch < 0:
             raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
+        if self.norm not in microbatch.NORMS:
+            raise ValueError(f"norm={self.norm!r} is not one of {', '.join(microbatch.NORMS)}")
 
 
 def _noop(_: str) -> None:
@@ -66,19 +69,18 @@ def train_step(
     y: torch.Tensor,
     tech: Techniques = Techniques(),
     mark: Callable[[str], None] = _noop,
-) -> float:
-    """One optimizer step on the batch (x, y); returns its mean loss. ``mark`` names the phases for the accountant."""
+) -> torch.Tensor:
+    """One optimizer step on the batch (x, y); returns its mean loss, detached (no host sync, so it also runs on the
+    meta device for the accountant). ``mark`` names the phases for the accountant."""
     optimizer.zero_grad(set_to_none=True)
-    size = tech.microbatch or len(x)
-    total = 0.0
-    for xb, yb in zip(x.split(size), y.split(size)):
+    total = torch.zeros((), device=x.device)
+    for xb, yb, weight in microbatch.microbatches(x, y, tech.microbatch):
         mark("forward")
-        # Each microbatch's mean loss is weighted by its share of the batch, so the accumulated gradient is the
-        # full batch's mean-loss gradient even when the last microbatch is smaller.
-        loss = F.cross_entropy(model(xb), yb) * (len(xb) / len(x))
+        # Weighted by its share of the batch: the accumulated gradient is the full batch's mean-loss gradient.
+        loss = F.cross_entropy(model(xb), yb) * weight
         mark("backward")
         loss.backward()
-        total += loss.item()
+        total += loss.detach()
     mark("optimizer")
     optimizer.step()
     return total
@@ -138,6 +140,7 @@ def train(
 
     torch.manual_seed(seed)
     model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
+    microbatch.convert_norm(model, tech.norm)
     checkpoint.apply(model, tech.checkpoint, (p.batch_size, data.in_channels, 32, 32))
     optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
     # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.
@@ -175,7 +178,7 @@ def train(
         for x, y in bar:
             x, y = x.to(device), y.to(device)
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, x, y, tech)
+            loss = train_step(model, optimizer, x, y, tech).item()
             scheduler.step()
             step_times.append(time.perf_counter() - t0)
             loss_sum += loss * len(y)

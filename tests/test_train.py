@@ -31,7 +31,7 @@ def test_a_few_steps_reduce_the_loss(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build_model("wrn-10-1")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    losses = [train_step(model, opt, x, y) for _ in range(15)]
+    losses = [train_step(model, opt, x, y).item() for _ in range(15)]
     assert losses[-1] < 0.6 * losses[0]
     assert all(b < a for a, b in zip(losses, losses[1:]))
 
