@@ -1,0 +1,59 @@
+"""Microbatching of WRN (notebook 05): memory against the microbatch size b at full size on the meta device, and
+accuracy and throughput of real training with per-microbatch BatchNorm and its remedies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from lowmem.accounting import CATEGORIES, MIB, account_step
+from lowmem.config import BaselineParams, MicrobatchingParams
+from lowmem.microbatch import convert_norm
+from lowmem.models import build_model
+from lowmem.recipe import make_optimizer
+from lowmem.train import Techniques, summarize, train, train_step
+
+
+def memory(p: MicrobatchingParams) -> pd.DataFrame:
+    """Accounted breakdown at the step's peak for each normalization and microbatch size, at batch ``p.batch_size``."""
+    rows = []
+    for norm in p.norms:
+        for b in p.memory_microbatches:
+            torch.manual_seed(p.seed)
+            with torch.device("meta"):
+                model = convert_norm(build_model(p.model, p.num_classes, p.in_channels), norm)
+                x = torch.empty(p.batch_size, p.in_channels, p.image_size, p.image_size)
+                y = torch.zeros(p.batch_size, dtype=torch.long)
+            opt = make_optimizer(model)
+            tech = Techniques(microbatch=b if b < p.batch_size else 0, norm=norm)
+            r = account_step(lambda mark: train_step(model, opt, x, y, tech, mark), model, opt, (x, y))
+            row = {"norm": norm, "microbatch": b, **{f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES}}
+            rows.append({**row, "peak_mib": r.peak / MIB, "activations_max_mib": r.category_max["activations"] / MIB})
+    return pd.DataFrame(rows)
+
+
+def accuracy(p: MicrobatchingParams, run_dir: str | Path, progress: bool = True) -> pd.DataFrame:
+    """Final-epoch metrics of each (normalization, microbatch size, seed) run, with the baseline block's recipe."""
+    base = BaselineParams(**p.train)
+    rows = []
+    for norm in p.norms:
+        for b in p.train_microbatches:
+            size = b if 0 < b < base.batch_size else 0
+            for seed in p.train_seeds:
+                tech = Techniques(microbatch=size, norm=norm)
+                history = train(base, seed, Path(run_dir) / f"{norm}-b{size or base.batch_size}-seed{seed}", tech, progress=progress)
+                rows.append({**history[-1], "norm": norm, "microbatch": size or base.batch_size})
+    return pd.DataFrame(rows)
+
+
+def summary(acc: pd.DataFrame) -> pd.DataFrame:
+    """Accuracy (mean, sd over seeds) and throughput per (norm, b), throughput relative to b = B of the same norm."""
+    rows = []
+    for (norm, b), g in acc.groupby(["norm", "microbatch"], sort=False):
+        rows.append({"norm": norm, "microbatch": b, **summarize(g.to_dict("records"))})
+    out = pd.DataFrame(rows)
+    full = out.groupby("norm").apply(lambda g: g.loc[g.microbatch.idxmax(), "images_per_s"], include_groups=False)
+    out["throughput_vs_full_batch"] = out.images_per_s / out.norm.map(full)
+    return out.drop(columns=["seeds", "peak_mem_method"])
