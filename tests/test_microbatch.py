@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lowmem.accounting import account_step
@@ -20,18 +19,40 @@ def test_microbatches_cover_the_batch_with_weights_summing_to_one(size: int) -> 
     assert all(len(xb) == (size or 12) for xb, _, _ in parts[:-1])
 
 
+def _grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, tech: Techniques) -> list[torch.Tensor]:
+    """Parameter gradients of one step; lr 0 leaves the weights as they were, so steps can be compared."""
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, y, tech)
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("batch,micro", [(12, 4), (12, 5), (12, 1), (12, 12)])
+def test_microbatched_gradients_equal_the_full_batch_without_batchnorm(batch: int, micro: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+    x, y = torch.randn(batch, 3, 8, 8), torch.randint(0, 5, (batch,))
+    full, accumulated = (_grads(model, x, y, Techniques(microbatch=m)) for m in (0, micro))
+    for f, a in zip(full, accumulated):
+        torch.testing.assert_close(a, f, rtol=1e-5, atol=1e-6)
+
+
+def test_microbatching_a_batchnorm_model_changes_its_gradient() -> None:
+    # BN normalizes each microbatch with its own statistics, so the gradient is not the full batch's.
+    torch.manual_seed(0)
+    model = build_model("wrn-10-1")
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    full, micro = (_grads(model, x, y, Techniques(microbatch=m))[0] for m in (0, 2))  # conv1.weight
+    assert not torch.allclose(full, micro, rtol=1e-3, atol=1e-6)
+
+
 @pytest.mark.parametrize("micro", [1, 3, 5])
 def test_groupnorm_wrn_gradients_equal_the_full_batch(micro: int) -> None:
     # GroupNorm has no batch statistics, so microbatching a WRN with it is exact up to float rounding.
     torch.manual_seed(0)
     model = convert_norm(build_model("wrn-10-1"), "group")
     x, y = torch.randn(10, 3, 32, 32), torch.randint(0, 10, (10,))
-    grads = []
-    for m in (0, micro):
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), x, y, Techniques(microbatch=m, norm="group"))
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for full, acc in zip(*grads):
-        torch.testing.assert_close(acc, full, rtol=1e-4, atol=1e-6)
+    full, accumulated = (_grads(model, x, y, Techniques(microbatch=m, norm="group")) for m in (0, micro))
+    for f, a in zip(full, accumulated):
+        torch.testing.assert_close(a, f, rtol=1e-4, atol=1e-6)
 
 
 def test_each_microbatch_is_normalized_with_its_own_statistics_and_running_stats_follow() -> None:

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from lowmem.config import BaselineParams, ParamError
 from lowmem.train import Techniques, train, train_step
@@ -66,35 +65,6 @@ def test_a_checkpoint_of_another_configuration_is_not_resumed(tmp_path: Path) ->
     fresh = train(tiny(tmp_path, epochs=1, lr=0.05), 0, tmp_path / "fresh", progress=False)
     assert results(other) == results(fresh)
     assert (tmp_path / "run/checkpoint.other-config.pt").exists()
-
-
-@pytest.mark.parametrize("batch,micro", [(12, 4), (12, 5), (12, 1), (12, 12)])
-def test_microbatched_gradients_equal_the_full_batch_without_batchnorm(batch: int, micro: int) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
-    x, y = torch.randn(batch, 3, 8, 8), torch.randint(0, 5, (batch,))
-    grads = []
-    for m in (0, micro):
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the weights as they were
-        train_step(model, opt, x, y, Techniques(microbatch=m))
-        grads.append([p.grad.clone() for p in model.parameters()])
-    for full, accumulated in zip(*grads):
-        torch.testing.assert_close(accumulated, full, rtol=1e-5, atol=1e-6)
-
-
-def test_microbatching_a_batchnorm_model_changes_its_statistics() -> None:
-    # BN normalizes each microbatch with its own statistics, so the gradient is not the full batch's (issue: microbatching).
-    from lowmem.models import build_model
-
-    torch.manual_seed(0)
-    model = build_model("wrn-10-1")
-    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
-    g = []
-    for m in (0, 2):
-        opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        train_step(model, opt, x, y, Techniques(microbatch=m))
-        g.append(model.conv1.weight.grad.clone())
-    assert not torch.allclose(g[0], g[1], rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize(
