@@ -3,7 +3,7 @@
 It follows one step (forward, backward, optimizer step) op by op and keeps a ledger of every tensor storage alive
 during it. Each storage is put in one category:
 
-- ``model``: parameters and buffers;
+- ``model``: parameters and buffers, and the 16-bit working copies autocast makes of the (fp32 master) weights;
 - ``gradients``: the ``.grad`` of parameters;
 - ``optimizer``: optimizer state (momentum, Adam moments, ...);
 - ``activations``: tensors autograd saves for the backward pass;
@@ -48,7 +48,7 @@ class StorageRecord:
     alloc: int  # event index at which it appeared
     free: int | None = None  # event index at which it was freed; None if alive at the end
     saved: bool = False  # saved for backward by autograd
-    role: str = ""  # "param", "buffer", "grad", "state", "input", "recomputed" where known
+    role: str = ""  # "param", "buffer", "weight-copy", "grad", "state", "input", "recomputed" where known
     name: str = ""
     category: str = "other"
 
@@ -79,6 +79,7 @@ class MemoryReport:
     category_max: dict[str, int]
     peak_phase: str
     device: str
+    at_peak_roles: dict[str, int] = field(default_factory=dict)  # the peak's bytes by role ("" = unnamed temporaries)
     measured_peak: int | None = None
     measured_method: str = ""
     timeline: list[tuple[str, dict[str, int]]] = field(default_factory=list, repr=False)
@@ -96,6 +97,7 @@ class MemoryReport:
             "peak_phase": self.peak_phase,
             "at_peak_bytes": dict(self.at_peak),
             "category_max_bytes": dict(self.category_max),
+            "at_peak_role_bytes": dict(self.at_peak_roles),
             "device": self.device,
             "measured_peak_bytes": self.measured_peak,
             "measured_method": self.measured_method,
@@ -160,9 +162,15 @@ class _Ledger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        role, name = "", ""
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
+            # A cast of a parameter is autocast's working copy of a weight (mixed precision): model memory.
+            src = self._live.get(id(args[0].untyped_storage())) if args[0].layout == torch.strided else None
+            if src is not None and self.records[src].role == "param":
+                role, name = "weight-copy", self.records[src].name
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                self.track(t, role, name)
         if self.workspace is not None:
             ws = self.workspace(func, args, kwargs or {})
             if ws > 0:  # a spike on top of the op's outputs, gone when the op returns
@@ -202,7 +210,7 @@ def forward_saved_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
 
 
 def _categorize(rec: StorageRecord) -> str:
-    if rec.role in ("param", "buffer"):
+    if rec.role in ("param", "buffer", "weight-copy"):
         return "model"
     if rec.role == "grad":
         return "gradients"
@@ -273,25 +281,32 @@ def account_step(
 def _build_report(ledger: _Ledger, fmt: StorageFormat, device: str) -> MemoryReport:
     n_events = len(ledger.phases)
     delta = [dict.fromkeys(CATEGORIES, 0) for _ in range(n_events + 1)]
+    roles = sorted({rec.role for rec in ledger.records})
+    role_delta = [dict.fromkeys(roles, 0) for _ in range(n_events + 1)]
     for rec in ledger.records:
         rec.category = _categorize(rec)
         b = fmt(rec)
         delta[rec.alloc][rec.category] += b
+        role_delta[rec.alloc][rec.role] += b
         if rec.free is not None:
             delta[rec.free][rec.category] -= b
+            role_delta[rec.free][rec.role] -= b
     current = dict.fromkeys(CATEGORIES, 0)
+    current_roles = dict.fromkeys(roles, 0)
     cat_max = dict.fromkeys(CATEGORIES, 0)
-    peak, at_peak, peak_phase = -1, dict(current), "setup"
+    peak, at_peak, at_peak_roles, peak_phase = -1, dict(current), dict(current_roles), "setup"
     timeline: list[tuple[str, dict[str, int]]] = []
     for i in range(n_events):
         for c in CATEGORIES:
             current[c] += delta[i][c]
             cat_max[c] = max(cat_max[c], current[c])
+        for r in roles:
+            current_roles[r] += role_delta[i][r]
         timeline.append((ledger.phases[i], dict(current)))
         total = sum(current.values())
         if total > peak:
-            peak, at_peak, peak_phase = total, dict(current), ledger.phases[i]
-    return MemoryReport(peak, at_peak, cat_max, peak_phase, device, timeline=timeline)
+            peak, at_peak, at_peak_roles, peak_phase = total, dict(current), dict(current_roles), ledger.phases[i]
+    return MemoryReport(peak, at_peak, cat_max, peak_phase, device, at_peak_roles, timeline=timeline)
 
 
 def standard_step(

@@ -202,11 +202,58 @@ class MicrobatchingParams:
             raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
 
 
+@dataclass
+class PrecisionParams:
+    """Stage ``precision``: what each 16-bit mode stores, at full size, and what it costs in accuracy, skipped steps
+    and step time (notebook 04). Training uses the ``baseline`` block."""
+
+    INHERITS = "baseline"  # the resolved baseline block arrives as `train`
+
+    profile: str = "smoke"
+    seed: int = 0
+    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    batch_size: int = 128
+    modes: list[str] = field(default_factory=lambda: ["fp32", "mixed-bf16", "mixed-fp16", "half-bf16", "half-fp16"])
+    # Microbatch sizes accounted at batch B: at small b the weights, gradients and optimizer state dominate, and
+    # there the fp32 master copy of mixed precision shows.
+    memory_microbatches: list[int] = field(default_factory=lambda: [128, 1])
+    train_modes: list[str] = field(default_factory=lambda: ["fp32", "half-bf16"])  # trained at the active profile
+    train_seeds: list[int] = field(default_factory=lambda: [0])
+    timing_batch_size: int = 4  # real steps of `model` on `device`, modes interleaved
+    timing_repeats: int = 1
+    check_batch_size: int = 2  # accounted against measured, for real on `device`, for each trained mode
+    device: str = "auto"
+    train: dict = field(default_factory=dict)  # the baseline block, resolved
+
+    def __post_init__(self) -> None:
+        from lowmem.precision import MODES
+
+        _check_choice("profile", self.profile, PROFILES)
+        _check_model("model", self.model)
+        _check_choice("device", self.device, DEVICES)
+        for name in ("batch_size", "timing_batch_size", "timing_repeats", "check_batch_size"):
+            _check_batch_sizes(name, [getattr(self, name)])
+        _check_batch_sizes("memory_microbatches", self.memory_microbatches)
+        if max(self.memory_microbatches) > self.batch_size:
+            raise ParamError(f"memory_microbatches must not exceed batch_size={self.batch_size}: {self.memory_microbatches}")
+        for name in ("modes", "train_modes"):
+            for m in getattr(self, name):
+                _check_choice(name, m, MODES)
+            if "fp32" not in getattr(self, name):
+                raise ParamError(f"{name} must include 'fp32', the reference of every ratio; got {getattr(self, name)}")
+        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
+            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+
+
 STAGES: dict[str, type] = {
     "memory_profile": MemoryProfileParams,
     "baseline": BaselineParams,
     "checkpointing": CheckpointingParams,
     "microbatching": MicrobatchingParams,
+    "precision": PrecisionParams,
 }
 
 

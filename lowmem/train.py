@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from lowmem import checkpoint, microbatch
+from lowmem import checkpoint, microbatch, precision
 from lowmem.config import BaselineParams, resolve_device
 from lowmem.data import load, subset
 from lowmem.models import build_model
@@ -36,12 +36,12 @@ from lowmem.recipe import SGDRecipe, make_optimizer
 class Techniques:
     """The paper's four memory levers for one run; all off by default, and any combination can be written.
 
-    Microbatching (with its normalization choice) and checkpointing are implemented; sparsity and precision accept
-    their "off" value alone and reject anything else with an error, until their modules exist.
+    Microbatching (with its normalization choice), precision and checkpointing are implemented; sparsity accepts
+    its "off" value alone and rejects anything else with an error, until its module exists.
     """
 
     sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense
-    precision: str = "fp32"  # storage precision of the step
+    precision: str = "fp32"  # what is stored in 16 bits, see lowmem.precision: fp32, mixed-bf16/fp16, half-bf16/fp16
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
     norm: str = "batch"  # normalization layers, see lowmem.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.checkpoint: none, block, every-K, sqrt, ...
@@ -49,8 +49,7 @@ class Techniques:
     def __post_init__(self) -> None:
         if self.sparsity != 0.0:
             raise ValueError(f"sparsity={self.sparsity} is not available: the sparsity module is not built yet; use 0.0")
-        if self.precision != "fp32":
-            raise ValueError(f"precision={self.precision!r} is not available: the low-precision module is not built yet; use 'fp32'")
+        precision.parse(self.precision)
         checkpoint.parse(self.checkpoint)
         if not isinstance(self.microbatch, int) or self.microbatch < 0:
             raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
@@ -69,31 +68,45 @@ def train_step(
     y: torch.Tensor,
     tech: Techniques = Techniques(),
     mark: Callable[[str], None] = _noop,
+    scaler: precision.Scaler | None = None,
 ) -> torch.Tensor:
     """One optimizer step on the batch (x, y); returns its mean loss, detached (no host sync, so it also runs on the
-    meta device for the accountant). ``mark`` names the phases for the accountant."""
+    meta device for the accountant). ``mark`` names the phases for the accountant. A 16-bit ``tech.precision``
+    needs the run's ``scaler`` (``precision.make_scaler``), which may skip the step; fp32 takes none."""
+    prec = precision.parse(tech.precision)
+    if (scaler is None) != (prec.kind == "fp32"):
+        raise ValueError(f"precision {prec.name} needs {'a' if scaler is None else 'no'} loss scaler (precision.make_scaler)")
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=x.device)
     for xb, yb, weight in microbatch.microbatches(x, y, tech.microbatch):
         mark("forward")
-        # Weighted by its share of the batch: the accumulated gradient is the full batch's mean-loss gradient.
-        loss = F.cross_entropy(model(xb), yb) * weight
+        with precision.autocast(prec, x.device.type):
+            out = model(xb)
+        # The loss in fp32 even from 16-bit logits (a no-op in fp32); weighted by the microbatch's share of the
+        # batch, so the accumulated gradient is the full batch's mean-loss gradient.
+        loss = F.cross_entropy(out.float(), yb) * weight
         mark("backward")
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         total += loss.detach()
     mark("optimizer")
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:
+        scaler.step(optimizer)
     return total
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """(accuracy, mean loss) on ``loader``."""
+def evaluate(
+    model: nn.Module, loader: DataLoader, device: torch.device, prec: precision.Precision = precision.parse("fp32")
+) -> tuple[float, float]:
+    """(accuracy, mean loss) on ``loader``, computed in the precision the model trains in."""
     model.eval()
     correct, loss_sum, n = 0, 0.0, 0
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
-        out = model(x)
+        x, y = precision.cast_batch(x.to(device), prec), y.to(device)
+        with precision.autocast(prec, device.type):
+            out = model(x).float()
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
         correct += (out.argmax(1) == y).sum().item()
         n += len(y)
@@ -141,8 +154,11 @@ def train(
     torch.manual_seed(seed)
     model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
     microbatch.convert_norm(model, tech.norm)
+    prec = precision.parse(tech.precision)
+    precision.prepare(model, prec)
     checkpoint.apply(model, tech.checkpoint, (p.batch_size, data.in_channels, 32, 32))
     optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
+    scaler = precision.make_scaler(prec, device.type)
     # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.
     steps_per_epoch = -(-len(train_set) // p.batch_size)  # type: ignore[arg-type]
     milestones = sorted({max(1, round(f * p.epochs * steps_per_epoch)) for f in p.milestones})
@@ -159,6 +175,8 @@ def train(
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
+            if scaler is not None:
+                scaler.load_state_dict(state["scaler"])
             history = state["history"]
         else:
             os.replace(ckpt, run_dir / "checkpoint.other-config.pt")
@@ -176,9 +194,9 @@ def train(
         # Plain-text tqdm with a slow refresh: under papermill --log-output it streams to the terminal as log lines.
         bar = tqdm(loader, desc=f"seed {seed} epoch {epoch + 1}/{p.epochs}", disable=not progress, mininterval=10)
         for x, y in bar:
-            x, y = x.to(device), y.to(device)
+            x, y = precision.cast_batch(x.to(device), prec), y.to(device)
             t0 = time.perf_counter()
-            loss = train_step(model, optimizer, x, y, tech).item()
+            loss = train_step(model, optimizer, x, y, tech, scaler=scaler).item()
             scheduler.step()
             step_times.append(time.perf_counter() - t0)
             loss_sum += loss * len(y)
@@ -186,7 +204,7 @@ def train(
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         train_seconds = time.perf_counter() - t_epoch
         lr = optimizer.param_groups[0]["lr"]
-        acc, test_loss = evaluate(model, test_loader, device)
+        acc, test_loss = evaluate(model, test_loader, device, prec)
         peak, how = _peak_memory_mib(device)
         row = {
             "seed": seed,
@@ -203,11 +221,16 @@ def train(
             "epoch_s": time.perf_counter() - t_epoch,
             "peak_mem_mib": peak,
             "peak_mem_method": how,
+            # Steps a 16-bit mode skipped for non-finite gradients, all epochs so far, and its loss scale (1 = none).
+            "skipped_steps": scaler.skipped if scaler is not None else 0,
+            "loss_scale": scaler.scale_value if scaler is not None else 1.0,
         }
         history.append(row)
         if progress:
             tqdm.write(f"seed {seed} epoch {epoch + 1}/{p.epochs}: train loss {row['train_loss']:.4f}, test acc {acc:.4f}, {row['images_per_s']:.0f} img/s")
         state = {"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
         _save(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
         if on_epoch_end is not None:
             on_epoch_end(epoch + 1, row)
