@@ -248,12 +248,60 @@ class PrecisionParams:
             raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
 
 
+@dataclass
+class SparsityParams:
+    """Stage ``sparsity``: sparse 3x3 block convs (DSR and static), memory at full size with CSR storage, and
+    accuracy and step time of real training (notebook 03). Training uses the ``baseline`` block."""
+
+    INHERITS = "baseline"  # the resolved baseline block arrives as `train`
+
+    profile: str = "smoke"
+    seed: int = 0
+    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
+    num_classes: int = 10
+    in_channels: int = 3
+    image_size: int = 32
+    batch_size: int = 128
+    memory_levels: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.9])  # sparsities accounted; 0 = dense
+    formats: list[list[int]] = field(default_factory=lambda: [[4, 4], [4, 2], [2, 2]])  # CSR (value, index) bytes
+    check_batch_size: int = 2  # accounted against measured, for real on `device`
+    train_levels: list[float] = field(default_factory=lambda: [0.0, 0.9])  # trained with DSR; 0 = the dense run
+    static_levels: list[float] = field(default_factory=lambda: [0.9])  # trained with the static pattern
+    train_seeds: list[int] = field(default_factory=lambda: [0])
+    dsr_periods: list[int] = field(default_factory=lambda: [2, 4, 8, 16])  # steps, per phase (recipe: 100..800)
+    dsr_reallocate: int = 20000  # per rewiring, for WRN-28-2 (the recipe's); scaled to the trained model
+    timing_batch_size: int = 4
+    timing_repeats: int = 1
+    device: str = "auto"
+    train: dict = field(default_factory=dict)  # the baseline block, resolved
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_model("model", self.model)
+        _check_choice("device", self.device, DEVICES)
+        for name in ("batch_size", "check_batch_size", "timing_batch_size", "timing_repeats", "dsr_reallocate"):
+            _check_batch_sizes(name, [getattr(self, name)])
+        _check_batch_sizes("dsr_periods", self.dsr_periods)
+        for name in ("memory_levels", "train_levels", "static_levels"):
+            levels = getattr(self, name)
+            if not isinstance(levels, list) or not all(isinstance(s, (int, float)) and 0 <= s < 1 for s in levels):
+                raise ParamError(f"{name} must be a list of sparsities in [0, 1) (0 = dense), got {levels!r}")
+        for name in ("memory_levels", "train_levels"):
+            if 0 not in getattr(self, name):
+                raise ParamError(f"{name} must include 0 (dense), the reference of every ratio; got {getattr(self, name)}")
+        if not self.formats or not all(isinstance(f, list) and len(f) == 2 and f[0] in (2, 4) and f[1] in (2, 4) for f in self.formats):
+            raise ParamError(f"formats must be [value_bytes, index_bytes] pairs, each 4 or 2, got {self.formats!r}")
+        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
+            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+
+
 STAGES: dict[str, type] = {
     "memory_profile": MemoryProfileParams,
     "baseline": BaselineParams,
     "checkpointing": CheckpointingParams,
     "microbatching": MicrobatchingParams,
     "precision": PrecisionParams,
+    "sparsity": SparsityParams,
 }
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from lowmem import checkpoint, microbatch, precision
+from lowmem import checkpoint, microbatch, precision, sparsity
 from lowmem.config import BaselineParams, resolve_device
 from lowmem.data import load, subset
 from lowmem.models import build_model
@@ -36,19 +36,27 @@ from lowmem.recipe import SGDRecipe, make_optimizer
 class Techniques:
     """The paper's four memory levers for one run; all off by default, and any combination can be written.
 
-    Microbatching (with its normalization choice), precision and checkpointing are implemented; sparsity accepts
-    its "off" value alone and rejects anything else with an error, until its module exists.
+    Sparsity's storage format (CSR index width) changes only what the accountant counts, not training.
     """
 
-    sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense
+    sparsity: float = 0.0  # fraction of the 3x3 block-conv weights that are zero; 0 = dense, see lowmem.sparsity
+    sparse_method: str = "dsr"  # dsr (dynamic sparse reparameterization) or static (magnitude-pruned at init)
+    sparse_format: str = "csr32"  # accounted CSR indices: csr32, or csr16 (16-bit where they fit)
+    dsr_periods: tuple[int, ...] = (100, 200, 400, 800)  # steps between rewirings, per phase of the run
+    dsr_reallocate: int = 20000  # weights moved per rewiring, for WRN-28-2; scaled to the model's sparse layers
     precision: str = "fp32"  # what is stored in 16 bits, see lowmem.precision: fp32, mixed-bf16/fp16, half-bf16/fp16
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
     norm: str = "batch"  # normalization layers, see lowmem.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.checkpoint: none, block, every-K, sqrt, ...
 
     def __post_init__(self) -> None:
-        if self.sparsity != 0.0:
-            raise ValueError(f"sparsity={self.sparsity} is not available: the sparsity module is not built yet; use 0.0")
+        if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1) (0 = dense), got {self.sparsity!r}")
+        if self.sparse_method not in sparsity.METHODS:
+            raise ValueError(f"sparse_method={self.sparse_method!r} is not one of {', '.join(sparsity.METHODS)}")
+        object.__setattr__(self, "dsr_periods", tuple(self.dsr_periods))  # a list from YAML; one config key either way
+        if self.sparse_format not in sparsity.INDEX_FORMATS:
+            raise ValueError(f"sparse_format={self.sparse_format!r} is not one of {', '.join(sparsity.INDEX_FORMATS)}")
         precision.parse(self.precision)
         checkpoint.parse(self.checkpoint)
         if not isinstance(self.microbatch, int) or self.microbatch < 0:
@@ -154,6 +162,7 @@ def train(
     torch.manual_seed(seed)
     model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
     microbatch.convert_norm(model, tech.norm)
+    layers = sparsity.sparsify(model, tech.sparsity, tech.sparse_method, seed) if tech.sparsity else {}
     prec = precision.parse(tech.precision)
     precision.prepare(model, prec)
     checkpoint.apply(model, tech.checkpoint, (p.batch_size, data.in_channels, 32, 32))
@@ -163,6 +172,10 @@ def train(
     steps_per_epoch = -(-len(train_set) // p.batch_size)  # type: ignore[arg-type]
     milestones = sorted({max(1, round(f * p.epochs * steps_per_epoch)) for f in p.milestones})
     scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=milestones, gamma=p.gamma)
+    dsr = None
+    if layers and tech.sparse_method == "dsr":
+        realloc = sparsity.scaled_reallocation(model, tech.dsr_reallocate)
+        dsr = sparsity.DSR(layers, p.epochs * steps_per_epoch, realloc, tuple(tech.dsr_periods), seed=seed)
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,11 +185,15 @@ def train(
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=True)
         if state["config"] == config:
+            if layers:
+                sparsity.resize_to(model, state["model"])  # DSR moved nonzeros between layers
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             if scaler is not None:
                 scaler.load_state_dict(state["scaler"])
+            if dsr is not None:
+                dsr.load_state_dict(state["dsr"])
             history = state["history"]
         else:
             os.replace(ckpt, run_dir / "checkpoint.other-config.pt")
@@ -198,6 +215,8 @@ def train(
             t0 = time.perf_counter()
             loss = train_step(model, optimizer, x, y, tech, scaler=scaler).item()
             scheduler.step()
+            if dsr is not None:
+                dsr.after_step(optimizer)  # rewiring is part of DSR's step time
             step_times.append(time.perf_counter() - t0)
             loss_sum += loss * len(y)
             n_seen += len(y)
@@ -224,6 +243,9 @@ def train(
             # Steps a 16-bit mode skipped for non-finite gradients, all epochs so far, and its loss scale (1 = none).
             "skipped_steps": scaler.skipped if scaler is not None else 0,
             "loss_scale": scaler.scale_value if scaler is not None else 1.0,
+            # Nonzeros of the sparse layers (constant: DSR moves them, never adds any), and rewirings so far.
+            "sparse_nnz": sum(layer.nnz for layer in layers.values()),
+            "rewirings": dsr.rewirings if dsr is not None else 0,
         }
         history.append(row)
         if progress:
@@ -231,6 +253,8 @@ def train(
         state = {"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
+        if dsr is not None:
+            state["dsr"] = dsr.state_dict()
         _save(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
         if on_epoch_end is not None:
             on_epoch_end(epoch + 1, row)

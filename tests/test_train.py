@@ -76,7 +76,11 @@ def test_bad_training_parameters_name_themselves(tmp_path: Path, kw: dict, name:
         tiny(tmp_path, **kw)
 
 
-@pytest.mark.parametrize("kw", [{"sparsity": 0.9}, {"precision": "bf16"}, {"checkpoint": "every-block"}, {"microbatch": -1}])
-def test_techniques_not_built_yet_or_misspelled_fail_clearly(kw: dict) -> None:
-    with pytest.raises(ValueError, match="not available|microbatch|unknown checkpoint strategy|not one of fp32, mixed-bf16"):
+@pytest.mark.parametrize(
+    "kw",
+    [{"sparsity": 1.0}, {"sparsity": -0.5}, {"sparse_method": "rigl"}, {"sparse_format": "coo"}, {"precision": "bf16"},
+     {"checkpoint": "every-block"}, {"microbatch": -1}],
+)
+def test_misspelled_techniques_fail_clearly(kw: dict) -> None:
+    with pytest.raises(ValueError, match="sparsity must be in|dsr, static|csr32, csr16|microbatch|unknown checkpoint strategy|not one of fp32, mixed-bf16"):
         Techniques(**kw)  # type: ignore[arg-type]
