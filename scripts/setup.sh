@@ -37,4 +37,15 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null &
     { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends dataset-fashion-mnist >/dev/null 2>&1; } ||
     echo "note: could not install Debian's dataset-fashion-mnist; the cpu profile will say how to get Fashion-MNIST" >&2
 fi
+# The cpu translation corpus: the German gettext catalogs of a fixed list of Debian packages (params.yaml,
+# translation_data.gettext_packages). Installing the list makes the corpus the same on every machine of one
+# Debian release; without them the translation stages stop and name the missing packages.
+PKGS=$("$VENV/bin/python" -c 'import yaml; print(" ".join(yaml.safe_load(open("params.yaml"))["translation_data"]["gettext_packages"]))')
+MISSING=$(for p in $PKGS; do dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q "ok installed" || echo "$p"; done)
+if [ -n "$MISSING" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  # shellcheck disable=SC2086
+  apt-get install -y -qq --no-install-recommends $MISSING >/dev/null 2>&1 ||
+    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends $MISSING >/dev/null 2>&1; } ||
+    echo "note: could not install $MISSING; the cpu translation corpus needs them" >&2
+fi
 echo "environment ready: $VENV"

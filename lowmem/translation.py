@@ -1,0 +1,259 @@
+"""The translation track's runs (Sohoni et al. 2019, the DynamicConv benchmark), through fairseq's own CLI:
+prepare → binarize → ``fairseq-train`` → checkpoint averaging → ``fairseq-generate`` (beam 4, ``--remove-bpe``).
+
+Each step is a subcommand of ``python -m lowmem.translation`` that DVC runs with one stage's resolved parameters::
+
+    python -m lowmem.translation prepare  --params data/params/translation_data.yaml
+    python -m lowmem.translation binarize --params data/params/translation_data.yaml
+    python -m lowmem.translation train    --params data/params/translation_train.yaml
+    python -m lowmem.translation evaluate --params data/params/translation_evaluate.yaml
+
+``train`` prints the exact ``fairseq-train`` command it runs; a run stopped part-way resumes from fairseq's own
+``checkpoint_last.pt`` when the same command is run again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from lowmem import corpus
+from lowmem.config import ParamError
+from lowmem.translation_config import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, load
+
+DATA = Path("data/translation")  # raw/ and bpe/ (prepare), bin/ (binarize), checkpoints/ (train), generate/ (evaluate)
+
+
+def prepare(p: TranslationDataParams, data_dir: Path = DATA) -> dict[str, Any]:
+    """Reads the profile's corpus and writes tokenized, cleaned, BPE'd splits to ``data_dir/bpe``."""
+    info: dict[str, Any] = {"corpus": p.corpus}
+    if p.corpus == "gettext":
+        raw, extra = corpus.read_gettext(p.gettext_packages, p.test_size, p.seed)
+        info.update(extra, source="German gettext catalogs of the listed Debian packages (/usr/share/locale/de)")
+        info["debian_version"] = Path("/etc/debian_version").read_text().strip() if Path("/etc/debian_version").exists() else "unknown"
+    else:
+        if p.corpus == "synthetic":
+            pairs = corpus.synthetic_pairs(p.synthetic_pairs + p.test_size, p.seed)
+            archive = corpus.write_iwslt14_archive(data_dir / "synthetic" / "de-en.tgz", pairs[p.test_size :], pairs[: p.test_size])
+            info["source"] = "synthetic toy corpus, written as an IWSLT'14 archive"
+        else:
+            archive = corpus.fetch_archive(p.iwslt14_archive, data_dir / "download")
+            info["source"] = f"IWSLT'14 De-En ({p.iwslt14_archive})"
+        info["archive_sha256"] = corpus.sha256_of([archive])
+        raw = corpus.read_iwslt14(archive)
+    info.update(corpus.prepare(raw, data_dir / "bpe", p.bpe_merges, p.max_len, p.length_ratio, p.valid_every))
+    corpus.manifest(data_dir / "bpe" / "corpus.json", **info)
+    return info
+
+
+def binarize(p: TranslationDataParams, data_dir: Path = DATA) -> dict[str, Any]:
+    info = json.loads((data_dir / "bpe" / "corpus.json").read_text())
+    info.update(corpus.binarize(data_dir / "bpe", data_dir / "bin", p.workers))
+    corpus.manifest(data_dir / "bin" / "corpus.json", **info)
+    return info
+
+
+def _use_cpu(device: str) -> bool:
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def train_args(p: TranslationTrainParams, bin_dir: Path, save_dir: Path) -> list[str]:
+    """``fairseq-train``'s arguments: the recipe, then the profile's scaling, then this run's paths and sizes."""
+    args = [str(bin_dir), *map(str, p.recipe_args), *map(str, p.scale_args)]
+    args += ["--max-tokens", str(p.max_tokens), "--max-update", str(p.max_update), "--warmup-updates", str(p.warmup_updates),
+             "--lr", str(p.lr), "--seed", str(p.seed), "--save-dir", str(save_dir),
+             # fairseq-fixed drops a last batch smaller than this multiple (environment notes).
+             "--required-batch-size-multiple", "1", "--log-format", "json", "--log-interval", "10", "--num-workers", "0"]
+    args += ["--keep-last-epochs", str(p.keep_last_epochs)] if p.keep_last_epochs > 1 else ["--no-epoch-checkpoints"]
+    return args + (["--cpu"] if _use_cpu(p.device) else [])
+
+
+def shell(name: str, args: list[str]) -> str:
+    """A command line a user can paste (``fairseq-<name> ...``), for logs and the README."""
+    return " ".join([f"fairseq-{name}", *(a if re.fullmatch(r"[\w@%+=:,./-]+", a) else f"'{a}'" for a in args)])
+
+
+def parse_log(lines: list[str]) -> list[dict[str, Any]]:
+    """The JSON records of a ``--log-format json`` fairseq-train log, each tagged with its kind (train_inner,
+    train, valid); numbers as floats."""
+    out = []
+    for line in lines:
+        m = re.search(r"\| (train_inner|train|valid) \| (\{.*\})\s*$", line)
+        if m:
+            rec = {k: float(v) if re.fullmatch(r"-?[\d.e+-]+", str(v)) else v for k, v in json.loads(m.group(2)).items()}
+            out.append({"kind": m.group(1), **rec})
+    return out
+
+
+def train(p: TranslationTrainParams, data_dir: Path = DATA) -> list[dict[str, Any]]:
+    """Runs fairseq-train, streaming its log to ``checkpoints/train.log``; returns the parsed records of the
+    whole run (a resumed run's log continues the interrupted one's)."""
+    save_dir = data_dir / "checkpoints"
+    args = train_args(p, data_dir / "bin", save_dir)
+    stamp = save_dir / "command.txt"
+    command = shell("train", args)
+    if stamp.exists() and stamp.read_text().strip() != command:
+        # Checkpoints of another command (other model or data) must not be resumed by this one.
+        print(f"{save_dir} holds a run of another command; starting over")
+        for f in save_dir.iterdir():
+            f.unlink()
+    save_dir.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(command + "\n")
+    print(command, flush=True)
+    log = save_dir / "train.log"
+    if log.exists() and "done training in" in log.read_text().rstrip().rsplit("\n", 1)[-1]:
+        # Finished by this very command. Restarting fairseq would resume mid-epoch and take one more update.
+        print(f"{log} shows this run finished; nothing to train")
+        return parse_log(log.read_text().splitlines())
+    proc = subprocess.Popen([*corpus.fairseq_cli("train"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=corpus.fairseq_env())
+    assert proc.stdout is not None
+    bar = tqdm(total=p.max_update, desc="fairseq-train updates", mininterval=5)
+    with open(log, "a") as f:
+        for line in proc.stdout:
+            f.write(line)
+            for rec in parse_log([line]):
+                if rec["kind"] == "train_inner":
+                    bar.update(int(rec["num_updates"]) - bar.n)
+                elif rec["kind"] == "valid":
+                    bar.write(f"epoch {int(rec['epoch'])}: valid loss {rec['valid_loss']:.3f}")
+    bar.close()
+    if proc.wait() != 0:
+        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+        raise RuntimeError(f"fairseq-train failed ({proc.returncode}); the end of {log}:\n{tail}")
+    return parse_log(log.read_text().splitlines())
+
+
+def average_checkpoints(paths: list[Path], out: Path) -> Path:
+    """The element-wise mean of the models in ``paths``, saved as a fairseq checkpoint (the first one's metadata).
+    Hand-written: fairseq's ``scripts/average_checkpoints.py`` is not part of its pip package."""
+    avg: dict[str, torch.Tensor] = {}
+    first: dict[str, Any] = {}
+    for i, path in enumerate(paths):
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        if i == 0:
+            first = state
+        for k, v in state["model"].items():
+            v = v.double() if v.is_floating_point() else v
+            avg[k] = v.clone() if i == 0 else avg[k] + v
+    # As fairseq's script: floats averaged, integer buffers floor-divided.
+    first["model"] = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v // len(paths) for k, v in avg.items()}
+    torch.save(first, out)
+    return out
+
+
+def last_epoch_checkpoints(save_dir: Path, n: int) -> list[Path]:
+    found = sorted(save_dir.glob("checkpoint[0-9]*.pt"), key=lambda f: int(re.findall(r"\d+", f.name)[0]))
+    if len(found) < n:
+        raise FileNotFoundError(
+            f"average_last={n} needs {n} epoch checkpoints in {save_dir}, found {len(found)}; "
+            f"train with translation_train.keep_last_epochs >= {n}"
+        )
+    return found[-n:]
+
+
+def parse_bleu(text: str) -> float:
+    """The score of fairseq-generate's last line, ``Generate test with beam=4: BLEU4 = 34.52, ...``."""
+    m = re.findall(r"Generate \w+ with beam=\d+: BLEU4? = ([\d.]+)", text)
+    if not m:
+        raise ValueError("no 'Generate ... BLEU4 = ' line in fairseq-generate's output")
+    return float(m[-1])
+
+
+def hypotheses(text: str) -> list[str]:
+    """fairseq-generate's hypotheses (``H-<id>`` lines), in test-set order."""
+    hyps = {int(m.group(1)): m.group(2) for m in re.finditer(r"^H-(\d+)\t[^\t]*\t(.*)$", text, flags=re.M)}
+    return [hyps[i] for i in sorted(hyps)]
+
+
+def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
+    """sacreBLEU of the detokenized hypotheses against the untokenized references. The model writes lowercase
+    (the recipe lowercases), so the score is case-insensitive. Returns (score, sacreBLEU's signature)."""
+    from sacrebleu.metrics import BLEU
+    from sacremoses import MosesDetokenizer
+
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
+    md = MosesDetokenizer(lang="en")
+    detok = [md.detokenize(h.split(), unescape=True) for h in hyps]
+    bleu = BLEU(lowercase=True)
+    return round(bleu.corpus_score(detok, [refs]).score, 2), str(bleu.get_signature())
+
+
+def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA) -> dict[str, Any]:
+    save_dir, out_dir = data_dir / "checkpoints", data_dir / "generate"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if p.average_last > 1:
+        checkpoint = average_checkpoints(last_epoch_checkpoints(save_dir, p.average_last), out_dir / f"checkpoint_last{p.average_last}_avg.pt")
+    else:
+        checkpoint = save_dir / "checkpoint_last.pt"
+        if not checkpoint.exists():
+            raise FileNotFoundError(f"{checkpoint} is missing; run the translation_train stage first (dvc repro translation_train)")
+    args = [str(data_dir / "bin"), "--path", str(checkpoint), "--gen-subset", "test", "--beam", str(p.beam),
+            "--lenpen", str(p.lenpen), "--remove-bpe", "--batch-size", str(p.batch_size),
+            "--required-batch-size-multiple", "1"] + (["--cpu"] if _use_cpu(p.device) else [])
+    print(shell("generate", args), flush=True)
+    r = subprocess.run([*corpus.fairseq_cli("generate"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
+    (out_dir / "generate.txt").write_text(r.stdout)
+    if r.returncode != 0:
+        raise RuntimeError(f"fairseq-generate failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    refs = (data_dir / "bpe" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
+    sacre, signature = sacrebleu_score(hypotheses(r.stdout), refs)
+    return {"bleu_tokenized": parse_bleu(r.stdout), "sacrebleu": sacre, "sacrebleu_signature": signature,
+            "test_sentences": len(refs), "checkpoint": checkpoint.name, "beam": p.beam, "averaged_checkpoints": p.average_last}
+
+
+def run_track(params: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+    """All four steps at the profile of ``params`` (a parsed params.yaml): what the DVC stages do, for a notebook
+    opened where the pipeline has not run. Returns the evaluation."""
+    from lowmem.translation_config import resolve
+
+    data = TranslationDataParams(**resolve("translation_data", params))
+    prepare(data, data_dir)
+    binarize(data, data_dir)
+    train(TranslationTrainParams(**resolve("translation_train", params)), data_dir)
+    return evaluate(TranslationEvaluateParams(**resolve("translation_evaluate", params)), data_dir)
+
+
+def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per epoch: training and validation loss (the last record of each, as a resumed run may log an
+    epoch twice)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for r in records:
+        if r["kind"] in ("train", "valid"):
+            rows.setdefault(int(r["epoch"]), {"epoch": int(r["epoch"])}).update(
+                {k: v for k, v in r.items() if k.startswith(("train_", "valid_")) and isinstance(v, float)}
+            )
+    return [rows[e] for e in sorted(rows)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=("prepare", "binarize", "train", "evaluate"))
+    ap.add_argument("--params", type=Path, required=True, help="a stage's resolved parameters (python -m lowmem.translation_config)")
+    ap.add_argument("--data-dir", type=Path, default=DATA)
+    ap.add_argument("--metrics", type=Path, help="write the step's summary here as JSON")
+    args = ap.parse_args(argv)
+    stage = {"prepare": "translation_data", "binarize": "translation_data", "train": "translation_train", "evaluate": "translation_evaluate"}[args.step]
+    try:
+        p = load(stage, args.params)
+        result: Any = {"prepare": prepare, "binarize": binarize, "train": train, "evaluate": evaluate}[args.step](p, args.data_dir)
+    except (ParamError, corpus.CorpusMissing, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.metrics:
+        args.metrics.parent.mkdir(parents=True, exist_ok=True)
+        args.metrics.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Typed parameters of the translation track's stages, resolved from ``params.yaml`` like ``lowmem.config``'s (same
+profile mappings, same errors). They live apart from ``lowmem.config`` because every WRN stage depends on that
+file: editing it would make DVC retrain the whole WRN track for a change that does not touch it.
+
+``python -m lowmem.translation_config STAGE [--params params.yaml] [--out FILE]`` writes one stage's resolved,
+checked parameters as YAML.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lowmem.config import DEVICES, PROFILES, ParamError, _check_choice, _pick
+from lowmem.corpus import CORPORA
+
+
+def _check_positive(**values: Any) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ParamError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _check_args(name: str, value: Any) -> None:
+    if not isinstance(value, list) or not all(isinstance(a, (str, int, float)) for a in value):
+        raise ParamError(f"{name} must be a list of fairseq command-line words, got {value!r}")
+
+
+@dataclass
+class TranslationDataParams:
+    """Stages ``translation_prepare`` and ``translation_binarize``: raw corpus → BPE → fairseq binaries."""
+
+    profile: str = "smoke"
+    seed: int = 0  # shuffles the gettext and synthetic corpora before their test split
+    corpus: str = "synthetic"  # iwslt14 (paper) | gettext (cpu, offline) | synthetic (smoke)
+    iwslt14_archive: str = "data/raw/de-en.tgz"  # path or http(s) address of IWSLT'14's de-en.tgz
+    gettext_packages: list[str] = field(default_factory=list)  # Debian packages whose German catalogs are read
+    test_size: int = 2000  # pairs held out for test (gettext, synthetic); IWSLT'14 has its own test sets
+    synthetic_pairs: int = 600  # training pairs of the synthetic corpus
+    bpe_merges: int = 10000  # joint BPE merges (the recipe's 10,000)
+    max_len: int = 175  # tokens per side kept in training (clean-corpus-n.perl's 1..175)
+    length_ratio: float = 1.5  # longest side over shortest, at most (clean-corpus-n.perl -ratio)
+    valid_every: int = 23  # every n-th cleaned training pair is validation (prepare-iwslt14.sh)
+    workers: int = 1  # fairseq-preprocess processes
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_choice("corpus", self.corpus, CORPORA)
+        _check_positive(test_size=self.test_size, synthetic_pairs=self.synthetic_pairs, bpe_merges=self.bpe_merges,
+                        max_len=self.max_len, valid_every=self.valid_every, workers=self.workers)
+        if self.corpus == "gettext" and not self.gettext_packages:
+            raise ParamError("corpus=gettext needs gettext_packages, the Debian packages whose catalogs form the corpus")
+        if not self.length_ratio >= 1:
+            raise ParamError(f"length_ratio must be at least 1, got {self.length_ratio!r}")
+
+
+@dataclass
+class TranslationTrainParams:
+    """Stage ``translation_train``: ``fairseq-train`` with the recipe, scaled by profile."""
+
+    profile: str = "smoke"
+    seed: int = 0
+    recipe_args: list[str] = field(default_factory=list)  # the recipe's fairseq-train options (paper notes), verbatim
+    scale_args: list[str] = field(default_factory=list)  # appended; a later option overrides the recipe's
+    max_tokens: int = 4000  # tokens per batch (the recipe's --max-tokens)
+    max_update: int = 50000  # updates (the recipe's --max-update)
+    warmup_updates: int = 4000  # inverse-sqrt warm-up (the recipe's)
+    lr: float = 0.0005  # peak learning rate (the recipe's)
+    keep_last_epochs: int = 1  # epoch checkpoints kept for averaging; 1 = only checkpoint_last/best
+    device: str = "auto"  # cuda when available, else cpu (fairseq's --cpu)
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_choice("device", self.device, DEVICES)
+        _check_args("recipe_args", self.recipe_args)
+        _check_args("scale_args", self.scale_args)
+        if "--arch" not in self.recipe_args:
+            raise ParamError("recipe_args must name the model with --arch (the recipe's lightconv_iwslt_de_en)")
+        _check_positive(max_tokens=self.max_tokens, max_update=self.max_update, warmup_updates=self.warmup_updates,
+                        keep_last_epochs=self.keep_last_epochs)
+        if not self.lr > 0:
+            raise ParamError(f"lr must be positive, got {self.lr!r}")
+
+
+@dataclass
+class TranslationEvaluateParams:
+    """Stage ``translation_evaluate``: checkpoint averaging, then ``fairseq-generate`` on the test split."""
+
+    profile: str = "smoke"
+    average_last: int = 1  # epoch checkpoints averaged (the recipe's 10); 1 = checkpoint_last.pt as it is
+    beam: int = 4
+    lenpen: float = 1.0
+    batch_size: int = 128  # sentences per generation batch; does not change the output
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_choice("device", self.device, DEVICES)
+        _check_positive(average_last=self.average_last, beam=self.beam, batch_size=self.batch_size)
+
+
+@dataclass
+class TranslationMemoryParams:
+    """Stage ``translation``: the memory of one fairseq training step of the full-size model (notebook 07)."""
+
+    profile: str = "smoke"
+    seed: int = 0
+    recipe_args: list[str] = field(default_factory=list)  # from translation_train: the full-size model
+    src_vocab: int = 8848  # dictionary sizes of the standard IWSLT'14 preparation (paper notes)
+    tgt_vocab: int = 6632
+    max_tokens: int = 4000  # the recipe's batch
+    sentence_lengths: list[int] = field(default_factory=lambda: [32])  # tokens per sentence; batch = max_tokens // length
+    reference_length: int = 32  # the length whose breakdown goes into the metrics
+    measured: list[list[int]] = field(default_factory=lambda: [[256, 16]])  # [tokens, length] steps run for real on CPU
+
+    FROM = {"recipe_args": "translation_train"}
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_args("recipe_args", self.recipe_args)
+        _check_positive(src_vocab=self.src_vocab, tgt_vocab=self.tgt_vocab, max_tokens=self.max_tokens)
+        if not self.sentence_lengths or not all(isinstance(n, int) and 0 < n <= self.max_tokens for n in self.sentence_lengths):
+            raise ParamError(f"sentence_lengths must be positive integers up to max_tokens, got {self.sentence_lengths!r}")
+        if self.reference_length not in self.sentence_lengths:
+            raise ParamError(f"reference_length={self.reference_length!r} must be one of sentence_lengths {self.sentence_lengths}")
+        if not all(isinstance(m, list) and len(m) == 2 and all(isinstance(v, int) and v > 0 for v in m) and m[1] <= m[0] for m in self.measured):
+            raise ParamError(f"measured must be [tokens, length] pairs with length <= tokens, got {self.measured!r}")
+
+
+STAGES: dict[str, type] = {
+    "translation_data": TranslationDataParams,
+    "translation_train": TranslationTrainParams,
+    "translation_evaluate": TranslationEvaluateParams,
+    "translation_memory": TranslationMemoryParams,
+}
+
+
+def resolve(stage: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The flat, checked parameters of ``stage`` for the profile named in ``params['base']``."""
+    _check_choice("stage", stage, tuple(STAGES))
+    base = params.get("base", {})
+    profile = base.get("profile")
+    _check_choice("base.profile", profile, PROFILES)
+    cls = STAGES[stage]
+    known = {f.name for f in dataclasses.fields(cls)}
+    block = params.get(stage, {})
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ParamError(f"unknown parameter(s) {unknown} in params.yaml block {stage!r}; known: {sorted(known)}")
+    values = {"profile": profile, **{k: v for k, v in base.items() if k in known and k != "profile"}}
+    for name, other in getattr(cls, "FROM", {}).items():
+        if name in params.get(other, {}):
+            values[name] = _pick(params[other][name], profile)
+    values.update({k: _pick(v, profile) for k, v in block.items()})
+    return dataclasses.asdict(cls(**values))
+
+
+def load(stage: str, path: str | Path) -> Any:
+    """The stage's dataclass from a file written by ``main`` (or params.yaml itself)."""
+    data = yaml.safe_load(Path(path).read_text())
+    if "base" in data:
+        data = resolve(stage, data)
+    return STAGES[stage](**data)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", help=f"one of {', '.join(STAGES)}")
+    ap.add_argument("--params", default="params.yaml", type=Path)
+    ap.add_argument("--out", type=Path, help="write here instead of stdout")
+    args = ap.parse_args(argv)
+    try:
+        resolved = resolve(args.stage, yaml.safe_load(args.params.read_text()))
+    except ParamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = yaml.safe_dump(resolved, sort_keys=False)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
