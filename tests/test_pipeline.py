@@ -45,6 +45,15 @@ def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
     for f in ("01_memory_breakdown.png", "01_memory_breakdown.csv", "01_memory_breakdown.md", "01_accounted_vs_measured.md"):
         assert (repo / "figures" / f).stat().st_size > 0
     assert "profile `smoke`" in (repo / "figures/01_memory_breakdown.md").read_text()
+    translation = json.loads((repo / "metrics/translation.json").read_text())
+    bleu = json.loads((repo / "metrics/translation_bleu.json").read_text())
+    assert translation["profile"] == "smoke" and translation["bleu_tokenized"] == bleu["bleu_tokenized"]
+    assert translation["max_abs_gap_pct"] < 3
+    assert translation["corpus"].startswith("synthetic")
+    assert "profile `smoke`" in (repo / "figures/07_translation_bleu.md").read_text()
+    for f in ("07_translation_memory.png", "07_translation_curves.png", "07_translation_curves.csv"):
+        assert (repo / "figures" / f).stat().st_size > 0
+    assert not list(repo.glob("data/translation/checkpoints/checkpoint[0-9]*.pt"))  # no epoch checkpoints
     shown = run(["dvc", "metrics", "show"], repo)
     assert "at_peak_mib.activations" in shown.stdout
     second = run(["dvc", "repro"], repo)
