@@ -93,10 +93,10 @@ def parse_log(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def train(p: TranslationTrainParams, data_dir: Path = DATA) -> list[dict[str, Any]]:
-    """Runs fairseq-train, streaming its log to ``checkpoints/train.log``; returns the parsed records of the
-    whole run (a resumed run's log continues the interrupted one's)."""
-    save_dir = data_dir / "checkpoints"
+def train(p: TranslationTrainParams, data_dir: Path = DATA, save_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Runs fairseq-train, streaming its log to ``train.log`` in ``save_dir`` (default ``checkpoints``); returns
+    the parsed records of the whole run (a resumed run's log continues the interrupted one's)."""
+    save_dir = save_dir or data_dir / "checkpoints"
     args = train_args(p, data_dir / "bin", save_dir)
     stamp = save_dir / "command.txt"
     command = shell("train", args)
@@ -142,10 +142,16 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
         if i == 0:
             first = state
         for k, v in state["model"].items():
+            if not isinstance(v, torch.Tensor):
+                continue  # a module's extra state (lowmem's DSR schedule) is kept as the first checkpoint has it
+            if i > 0 and not v.is_floating_point() and not torch.equal(v, first["model"][k]):
+                # Sparse layers' positions (DSR moves them): their values do not line up across checkpoints.
+                raise ValueError(f"{k} differs between {paths[0].name} and {path.name}; these checkpoints cannot be averaged "
+                                 "(a DSR run rewires its sparse layers): evaluate with average_last 1")
             v = v.double() if v.is_floating_point() else v
             avg[k] = v.clone() if i == 0 else avg[k] + v
-    # As fairseq's script: floats averaged, integer buffers floor-divided.
-    first["model"] = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v // len(paths) for k, v in avg.items()}
+    # As fairseq's script: floats averaged (integer buffers are equal, checked above).
+    first["model"] = {k: (avg[k] / len(paths)).to(v.dtype) if k in avg and v.is_floating_point() else v for k, v in first["model"].items()}
     torch.save(first, out)
     return out
 
@@ -188,8 +194,11 @@ def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     return round(bleu.corpus_score(detok, [refs]).score, 2), str(bleu.get_signature())
 
 
-def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA) -> dict[str, Any]:
-    save_dir, out_dir = data_dir / "checkpoints", data_dir / "generate"
+def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA, save_dir: Path | None = None, out_dir: Path | None = None,
+             extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """fairseq-generate on the test split with the (averaged) checkpoint of ``save_dir`` (default ``checkpoints``),
+    output in ``out_dir`` (default ``generate``); ``extra_args`` such as a plugin's ``--user-dir``."""
+    save_dir, out_dir = save_dir or data_dir / "checkpoints", out_dir or data_dir / "generate"
     out_dir.mkdir(parents=True, exist_ok=True)
     if p.average_last > 1:
         checkpoint = average_checkpoints(last_epoch_checkpoints(save_dir, p.average_last), out_dir / f"checkpoint_last{p.average_last}_avg.pt")
@@ -199,7 +208,7 @@ def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA) -> dict[str, A
             raise FileNotFoundError(f"{checkpoint} is missing; run the translation_train stage first (dvc repro translation_train)")
     args = [str(data_dir / "bin"), "--path", str(checkpoint), "--gen-subset", "test", "--beam", str(p.beam),
             "--lenpen", str(p.lenpen), "--remove-bpe", "--batch-size", str(p.batch_size),
-            "--required-batch-size-multiple", "1"] + (["--cpu"] if _use_cpu(p.device) else [])
+            "--required-batch-size-multiple", "1", *extra_args] + (["--cpu"] if _use_cpu(p.device) else [])
     print(shell("generate", args), flush=True)
     r = subprocess.run([*corpus.fairseq_cli("generate"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
     (out_dir / "generate.txt").write_text(r.stdout)

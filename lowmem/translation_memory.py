@@ -1,8 +1,10 @@
-"""The memory of one fairseq training step of DynamicConv (Sohoni et al. 2019, the translation benchmark's profile):
-the recipe's ``lightconv_iwslt_de_en`` built by fairseq itself, its label-smoothed loss and fairseq's Adam, on a
-batch of ``--max-tokens`` tokens.
+"""The memory of one fairseq training update of DynamicConv (Sohoni et al. 2019, the translation benchmark's profile):
+the model of a fairseq-train command line, built by fairseq itself (lowmem's ``--user-dir`` plugin included), its
+label-smoothed loss, and the optimizer fairseq's Trainer would build for it (Adam; under ``--fp16`` or
+``--memory-efficient-fp16``, fairseq's 16-bit wrappers), on ``--update-freq`` batches making up ``--max-tokens``
+tokens. Sparse layers count as CSR; fp16 master weights and their gradients count with the optimizer that keeps them.
 
-It runs on the meta device at full size, in about a second per batch shape. One line of fairseq needs a value
+It runs on the meta device at full size, in a few seconds per command line. One line of fairseq needs a value
 rather than a shape: the encoder asks whether the batch has any padding (``encoder_padding_mask.any()``).
 The accounted batches have none (every sentence is ``length`` tokens), so :class:`_Unpadded` answers that question
 on meta tensors; a test checks that meta and real CPU tensors account the same bytes.
@@ -14,20 +16,22 @@ import argparse
 import logging
 import time
 import types
+import warnings
 from typing import Any
 
 import pandas as pd
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lowmem.accounting import CATEGORIES, MIB, MemoryReport, StepFn, account_step
+from lowmem import sparsity
+from lowmem.accounting import CATEGORIES, MIB, MemoryReport, StepFn, StorageFormat, account_step, dense
 from lowmem.measure import measure_step
 
 _root_level = logging.getLogger().level
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
 from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY  # noqa: E402
-from fairseq.optim.adam import Adam  # noqa: E402
+from fairseq import optim  # noqa: E402
 
 logging.getLogger().setLevel(_root_level)  # importing fairseq sets the root logger to DEBUG (environment notes)
 
@@ -39,61 +43,122 @@ def _dictionary(size: int) -> Dictionary:
     return d
 
 
-def model_args(recipe_args: list[str]) -> argparse.Namespace:
-    """The model options of a fairseq-train command line, completed by its architecture's defaults, as
-    fairseq-train resolves them (environment notes: a parser with SUPPRESS, the model's add_args, then the arch)."""
-    ap = argparse.ArgumentParser(argument_default=argparse.SUPPRESS)
-    ap.add_argument("--arch", "-a", required=True)
-    args, _ = ap.parse_known_args([str(a) for a in recipe_args])
-    ARCH_MODEL_REGISTRY[args.arch].add_args(ap)
-    args, _ = ap.parse_known_args([str(a) for a in recipe_args])
-    ARCH_CONFIG_REGISTRY[args.arch](args)
-    return args
+def training_options(train_args: list[str]) -> tuple[argparse.Namespace, Any]:
+    """A fairseq-train command line's options, parsed by fairseq-train's own parser (``--user-dir`` plugins
+    included) and completed by its architecture's defaults: (args, fairseq's config)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, ["<data>", *map(str, train_args)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Hydra's deprecation notices about fairseq's config schema
+        return args, convert_namespace_to_omegaconf(args)
 
 
-def build(recipe_args: list[str], src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
-    """(model, task-like holder of the two dictionaries) for ``recipe_args``'s architecture."""
-    args = model_args(recipe_args)
+def model_args(train_args: list[str]) -> argparse.Namespace:
+    return training_options(train_args)[0]
+
+
+def build(train_args: list[str], src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
+    """(model, task-like holder of the two dictionaries) for ``train_args``'s architecture."""
+    args = model_args(train_args)
     task = types.SimpleNamespace(source_dictionary=_dictionary(src_vocab), target_dictionary=_dictionary(tgt_vocab))
     with torch.device(device):
         model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
     return model, task
 
 
+def build_optimizer(cfg: Any, model: torch.nn.Module) -> Any:
+    """The optimizer fairseq's Trainer builds for ``cfg`` (``Trainer._build_optimizer``), after casting the model
+    as the Trainer does for --fp16."""
+    if cfg.common.amp or cfg.common.bf16:
+        raise ValueError("--amp (CUDA autocast) and --bf16 (TPU in fairseq 0.12) cannot be accounted on the meta device; "
+                         "use --fp16 or --memory-efficient-fp16")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.common.memory_efficient_fp16:
+        return optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, params)
+    if cfg.common.fp16:
+        # Per-parameter fp32 copies instead of one flat buffer: the same bytes, and the flat buffer's constructor
+        # asks CUDA for its device, which meta tensors do not need.
+        cfg.common.fp16_no_flatten_grads = True
+        return optim.FP16Optimizer.build_optimizer(cfg, params)
+    return optim.build_optimizer(cfg.optimizer, params)
+
+
+class _OptimizerView:
+    """What ``account_step`` asks of an optimizer (``zero_grad`` and the tensors it keeps), for fairseq's wrappers.
+    FP16Optimizer keeps fp32 master weights and their gradients itself; they count as optimizer state."""
+
+    def __init__(self, fs_optimizer: Any) -> None:
+        self.fs = fs_optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.fs.zero_grad()
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        state = {p: dict(s) for p, s in self.fs.optimizer.state.items()}
+        if isinstance(self.fs, optim.FP16Optimizer):
+            for p in self.fs.fp32_params:
+                state.setdefault(p, {}).update(master=p.data, master_grad=p.grad)
+        return state
+
+
 def fairseq_step(
-    recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta"
-) -> tuple[StepFn, torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
-    """One training step as fairseq-train takes it (criterion forward, backward, Adam step), on a batch of
-    ``tokens // length`` sentence pairs of ``length`` tokens each side: (step, model, optimizer, batch tensors)."""
-    if not 0 < length <= tokens:
-        raise ValueError(f"length must be in 1..tokens ({tokens}), got {length}")
+    train_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta"
+) -> tuple[StepFn, torch.nn.Module, Any, list[torch.Tensor]]:
+    """One update as fairseq-train takes it for ``train_args`` (the recipe plus any technique's options): for each
+    of ``--update-freq`` k batches, criterion forward and backward (loss-scaled under --fp16); then gradients
+    divided by the tokens, and the optimizer step. The update sees ``tokens`` tokens in k batches of
+    ``tokens // k // length`` sentence pairs of ``length`` tokens each side. Returns (step, model, optimizer view,
+    batch tensors). fairseq's gradient-norm computation (--clip-norm 0: logging only, one scalar per parameter)
+    is left out: fairseq moves those scalars to the CPU, which meta tensors cannot do."""
+    # The recipe's Adam when the command names no optimizer (a later --optimizer overrides it).
+    args, cfg = training_options(["--optimizer", "adam", *train_args])
+    k = cfg.optimization.update_freq[0]
+    batch = tokens // k // length
+    if not 0 < length <= tokens or batch < 1:
+        raise ValueError(f"{tokens} tokens in --update-freq {k} batches of sentences of length {length} leave no sentence per batch")
     torch.manual_seed(seed)
-    model, task = build(recipe_args, src_vocab, tgt_vocab, device)
+    model, task = build(train_args, src_vocab, tgt_vocab, device)
+    if cfg.common.fp16:
+        model = model.half()
     model.train()
     criterion = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
-    # fairseq's own Adam (the one --optimizer adam uses): fp32 exp_avg and exp_avg_sq per parameter. Its
+    # fairseq's own optimizer: Adam keeps fp32 exp_avg and exp_avg_sq per parameter, even for fp16 weights. Its
     # hyperparameters do not change the memory.
-    optimizer = Adam(model.parameters(), lr=5e-4, betas=(0.9, 0.98), weight_decay=1e-4)
-    batch = tokens // length
+    optimizer = build_optimizer(cfg, model)
     nspecial = task.target_dictionary.nspecial
-    with torch.device(device):
-        src = torch.randint(nspecial, src_vocab, (batch, length))
-        tgt = torch.randint(nspecial, tgt_vocab, (batch, length))
-        src_lengths = torch.full((batch,), length)
-    prev = torch.cat([torch.full_like(tgt[:, :1], task.target_dictionary.eos()), tgt[:, :-1]], dim=1)
-    sample = {"net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
-              "target": tgt, "ntokens": batch * length, "nsentences": batch}
+    samples, inputs = [], []
+    for _ in range(k):
+        with torch.device(device):
+            src = torch.randint(nspecial, src_vocab, (batch, length))
+            tgt = torch.randint(nspecial, tgt_vocab, (batch, length))
+            src_lengths = torch.full((batch,), length)
+        prev = torch.cat([torch.full_like(tgt[:, :1], task.target_dictionary.eos()), tgt[:, :-1]], dim=1)
+        samples.append({"net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
+                        "target": tgt, "ntokens": batch * length, "nsentences": batch})
+        inputs += [src, tgt, prev, src_lengths]
 
     def step(mark: Any) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        mark("forward")
-        loss, _, _ = criterion(model, sample)
-        mark("backward")
-        loss.backward()
+        optimizer.zero_grad()
+        for sample in samples:
+            mark("forward")
+            loss, _, _ = criterion(model, sample)
+            mark("backward")
+            optimizer.backward(loss)
+            del loss
         mark("optimizer")
+        optimizer.multiply_grads(1.0 / (k * batch * length))
         optimizer.step()
 
-    return step, model, optimizer, [src, tgt, prev, src_lengths]
+    return step, model, _OptimizerView(optimizer), inputs
+
+
+def storage_format(model: torch.nn.Module) -> StorageFormat:
+    """CSR for the sparse layers (``--sparsity``), every other tensor as stored."""
+    return sparsity.CSRFormat(model) if sparsity.sparse_layers(model) else dense
 
 
 class _Unpadded(TorchDispatchMode):
@@ -108,12 +173,12 @@ class _Unpadded(TorchDispatchMode):
 def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0) -> MemoryReport:
     step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device)
     with _Unpadded():
-        return account_step(step, model, opt, batch)
+        return account_step(step, model, opt, batch, storage_format(model))  # type: ignore[arg-type]
 
 
 def measure(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0) -> tuple[int, str]:
     step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, "cpu")
-    return measure_step(step, model, opt, batch)
+    return measure_step(step, model, opt, batch)  # type: ignore[arg-type]
 
 
 def parameter_count(recipe_args: list[str], src_vocab: int, tgt_vocab: int) -> int:

@@ -178,7 +178,12 @@ def test_checkpoint_averaging_is_the_mean_of_the_models(tmp_path: Path) -> None:
     out = translation.average_checkpoints(paths, tmp_path / "avg.pt")
     avg = torch.load(out, weights_only=False)["model"]
     assert torch.equal(avg["w"], torch.full((2, 3), 3.0)) and avg["w"].dtype == torch.float32
-    assert torch.equal(avg["n"], torch.tensor([7]))  # integers: floor of the mean, as fairseq's script
+    assert torch.equal(avg["n"], torch.tensor([7]))  # integer buffers, equal in all three, kept
+    # A DSR run's sparse positions move between checkpoints: their values cannot be averaged position by position.
+    moved = tmp_path / "checkpoint9.pt"
+    torch.save({"model": {"w": torch.zeros(2, 3), "n": torch.tensor([8])}, "args": None}, moved)
+    with pytest.raises(ValueError, match="average_last 1"):
+        translation.average_checkpoints([paths[0], moved], tmp_path / "bad.pt")
     with pytest.raises(FileNotFoundError, match="keep_last_epochs >= 5"):
         translation.last_epoch_checkpoints(tmp_path, 5)
 

@@ -1,0 +1,244 @@
+"""The four techniques on DynamicConv through lowmem's fairseq plugin: fairseq-train runs each option, update-freq and
+checkpointing leave the gradients as they are, DSR keeps its sparsity over many updates, and the accountant
+reflects each option at full size, byte for byte."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowmem import sparse_linear, translation, translation_memory, translation_study
+from lowmem.config import ParamError
+from lowmem.fairseq_plugin import ARCH, PLUGIN_DIR, TASK
+from lowmem.translation_config import TranslationDataParams, TranslationTechniquesParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_translation import TINY_MODEL  # noqa: E402
+
+PLUGIN = ["--user-dir", str(PLUGIN_DIR), "--task", TASK]
+TINY = [*TINY_MODEL[2:], "--arch", ARCH, "--optimizer", "adam", "--lr", "0.001", "--criterion", "label_smoothed_cross_entropy"]
+NO_DROPOUT = ["--dropout", "0", "--attention-dropout", "0", "--weight-dropout", "0"]
+FULL = ["--arch", "lightconv_iwslt_de_en", "--encoder-glu", "0", "--decoder-glu", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The smoke corpus, binarized (sentences of several lengths, so batches are padded)."""
+    d = tmp_path_factory.mktemp("techniques")
+    p = TranslationDataParams(corpus="synthetic", synthetic_pairs=400, test_size=20, bpe_merges=50)
+    translation.prepare(p, d)
+    translation.binarize(p, d)
+    return d
+
+
+def trainer(data: Path, extra: list[str]):  # type: ignore[no-untyped-def]
+    """fairseq's own Trainer for the tiny model with the plugin and ``extra`` options, built as fairseq-train
+    builds it (seed 0)."""
+    from fairseq import options, tasks
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+    from fairseq.trainer import Trainer
+
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(data / "bin"), *PLUGIN, *TINY, "--cpu", *extra])
+    cfg = convert_namespace_to_omegaconf(args)
+    task = tasks.setup_task(cfg.task)
+    task.load_dataset("train")
+    torch.manual_seed(0)
+    model = task.build_model(cfg.model)
+    return Trainer(cfg, task, model, task.build_criterion(cfg.criterion)), task
+
+
+def batch(task, indices: list[int]) -> dict:  # type: ignore[no-untyped-def]
+    ds = task.dataset("train")
+    return ds.collater([ds[i] for i in indices])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [
+    [], ["--sparsity", "0.9", "--dsr-periods", "[2,2,2,2]"], ["--sparsity", "0.8", "--sparse-method", "static"],
+    ["--checkpoint-activations"], ["--update-freq", "2", "--max-tokens", "500"],
+    # A low initial loss scale: fairseq 0.12's Trainer calls .cuda() on an fp16 overflow, which fails on CPU.
+    ["--memory-efficient-fp16", "--fp16-init-scale", "4", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
+], ids=["plugin", "dsr", "static", "checkpoint", "update-freq", "memory-efficient-fp16+dsr"])
+def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: list[str], tmp_path: Path) -> None:
+    args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
+            "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
+            "--no-epoch-checkpoints", *options]
+    from lowmem import corpus
+
+    r = subprocess.run([*corpus.fairseq_cli("train"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    records = translation.parse_log((r.stdout + r.stderr).splitlines())
+    assert [int(x["num_updates"]) for x in records if x["kind"] == "train_inner"] == [3, 6]
+    state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
+    assert state["cfg"]["model"].arch == ARCH
+
+
+def test_fp16_with_dsr_is_refused_with_what_to_do(data: Path) -> None:
+    with pytest.raises(ValueError, match="use --memory-efficient-fp16"):
+        trainer(data, ["--fp16", "--sparsity", "0.9"])
+
+
+@pytest.mark.slow
+def test_update_freq_gives_the_gradients_of_one_large_batch(data: Path) -> None:
+    """fairseq-train's --update-freq k hands k batches to Trainer.train_step; LayerNorm has no batch statistics,
+    so with dropout off the gradients equal those of one batch holding all of them."""
+    one, task = trainer(data, [*NO_DROPOUT, "--max-tokens", "4000"])
+    two, _ = trainer(data, [*NO_DROPOUT, "--max-tokens", "2000", "--update-freq", "2"])
+    idx = list(range(24))
+    one.train_step([batch(task, idx)])
+    two.train_step([batch(task, idx[:9]), batch(task, idx[9:])])  # unequal halves, padded differently
+    pairs = list(zip(one.model.named_parameters(), two.model.named_parameters()))
+    assert sum(p.grad is not None for (_, p), _ in pairs) > 10
+    for (name, a), (_, b) in pairs:
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(data: Path) -> None:
+    plain, task = trainer(data, ["--dropout", "0.3"])
+    ckpt, _ = trainer(data, ["--dropout", "0.3", "--checkpoint-activations"])
+    sample = batch(task, list(range(16)))
+    torch.manual_seed(1)
+    out_a = plain.train_step([sample])
+    torch.manual_seed(1)
+    out_b = ckpt.train_step([sample])  # the recompute must draw the same dropout masks
+    assert out_a["loss"] == out_b["loss"]
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_sparse_linear_computes_the_masked_dense_linear() -> None:
+    dense = torch.nn.Linear(12, 7)
+    keep = torch.rand(7, 12) < 0.3
+    sparse = sparse_linear.SparseLinear(copy.deepcopy(dense), keep)
+    x = torch.randn(5, 3, 12, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    w = (dense.weight * keep).detach().requires_grad_()
+    y, y2 = sparse(x), F.linear(x2, w, dense.bias)
+    torch.testing.assert_close(y, y2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(sparse.values.grad, w.grad.reshape(-1)[keep.reshape(-1)])
+    assert sparse.nnz == int(keep.sum()) and torch.equal(sparse.dense_weight(), dense.weight.detach() * keep)
+
+
+@pytest.mark.slow
+def test_dsr_keeps_its_sparsity_and_moves_weights_over_many_updates(data: Path) -> None:
+    t, task = trainer(data, ["--sparsity", "0.9", "--dsr-periods", "[3,3,3,3]", "--max-update", "60", "--max-tokens", "600"])
+    model = t.model
+    dense = {n: m.shape.numel() for n, m in sparse_linear.sparse_linears(model).items()}
+    start = {n: m.nnz for n, m in sparse_linear.sparse_linears(model).items()}
+    assert all(start[n] == round(0.1 * dense[n]) for n in dense)
+    itr = t.get_train_iterator(epoch=1).next_epoch_itr(shuffle=True)
+    steps = 0
+    while steps < 50:
+        for s in itr:
+            t.train_step([s])
+            steps += 1
+            if steps == 50:
+                break
+        itr = t.get_train_iterator(epoch=2).next_epoch_itr(shuffle=True)
+    layers = sparse_linear.sparse_linears(model)
+    assert model.dsr.rewirings >= 10
+    assert sum(m.nnz for m in layers.values()) == sum(start.values())  # the total never changes
+    assert any(layers[n].nnz != start[n] for n in layers)  # but nonzeros moved between layers
+    state = t.optimizer.optimizer.state
+    for m in layers.values():
+        idx = m.indices.long()
+        assert idx.dtype == torch.long and bool((idx[1:] > idx[:-1]).all()) and 0 <= int(idx[0]) and int(idx[-1]) < m.shape.numel()
+        assert state[m.values]["exp_avg"].shape == m.values.shape  # Adam's state follows the pattern
+    # A checkpoint of the rewired model loads into a freshly built one (per-layer counts resized first).
+    fresh = task.build_model(t.cfg.model)
+    fresh.load_state_dict(model.state_dict())
+    assert fresh.dsr.rewirings == model.dsr.rewirings
+    assert all(torch.equal(fresh.get_submodule(n).indices, m.indices) for n, m in layers.items())
+
+
+def test_the_plugin_without_options_is_fairseqs_model() -> None:
+    plain, _ = translation_memory.build(FULL, 8848, 6632)
+    plugged, _ = translation_memory.build([*FULL, *PLUGIN, "--arch", ARCH], 8848, 6632)
+    assert [(n, p.shape) for n, p in plain.named_parameters()] == [(n, p.shape) for n, p in plugged.named_parameters()]
+    base = translation_memory.account(FULL, 8848, 6632, tokens=4000, length=32)
+    same = translation_memory.account([*FULL, *PLUGIN, "--arch", ARCH], 8848, 6632, tokens=4000, length=32)
+    assert (base.peak, base.at_peak) == (same.peak, same.at_peak)
+
+
+def _used(args: list[str]) -> tuple[int, int]:
+    """(parameters, parameters that get a gradient) of the full-size model: fairseq's scriptable DynamicConv has
+    a conv_bias per layer that its forward never uses (7 + 6 of 512)."""
+    model, _ = translation_memory.build(args, 8848, 6632)
+    n = sum(p.numel() for p in model.parameters())
+    return n, n - 13 * 512
+
+
+BUFFERS = 2 * (1026 * 512 + 1)  # per side, sinusoidal positions for 1024 + 2 positions and a version number
+LARGEST = 8848 * 512  # the German embedding table
+
+
+def test_the_accountant_counts_sparse_layers_as_csr_at_full_size() -> None:
+    args = [*FULL, *PLUGIN, "--arch", ARCH, "--sparsity", "0.9"]
+    model, _ = translation_memory.build(args, 8848, 6632)
+    layers = sparse_linear.sparse_linears(model)
+    assert len(layers) == 7 * 5 + 6 * 9  # per layer: linear1, linear2, fc1, fc2, the kernel predictor (+4 attention projections)
+    nnz = sum(m.nnz for m in layers.values())
+    assert nnz == sum(round(0.1 * m.shape.numel()) for m in layers.values())
+    n, used = _used(args)  # n counts the sparse layers' nonzeros
+    csr = sum(4 * (m.nnz + m.rows + 1) for m in layers.values())
+    other_buffers = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if not name.endswith(".indices"))
+    r = translation_memory.account(args, 8848, 6632, tokens=4000, length=32)
+    assert r.category_max["model"] == 4 * n + csr + other_buffers
+    assert r.category_max["optimizer"] == 2 * 4 * used
+    assert r.category_max["gradients"] == 4 * used
+
+
+def test_the_accountant_holds_fairseqs_fp16_tensors_at_their_real_width() -> None:
+    n, used = _used(FULL)
+    efficient = translation_memory.account([*FULL, "--memory-efficient-fp16"], 8848, 6632, tokens=4000, length=32)
+    # fp16 weights and buffers; fairseq's Adam updates each fp16 weight through a transient fp32 copy of it, the
+    # largest of which is the German embedding table. No lasting fp32 copy.
+    assert efficient.category_max["model"] == 2 * n + 2 * BUFFERS + 4 * LARGEST
+    assert efficient.category_max["gradients"] == 2 * used
+    assert efficient.category_max["optimizer"] == 2 * 4 * used  # fairseq's Adam keeps fp32 state for fp16 weights
+    mixed = translation_memory.account([*FULL, "--fp16"], 8848, 6632, tokens=4000, length=32)
+    assert mixed.category_max["model"] == 2 * n + 2 * BUFFERS
+    # FP16Optimizer: fp32 master weights and fp32 master gradients for every parameter, and Adam on them (the
+    # unused conv_bias too: its master gradient is zeros, not None). For each unused conv_bias fairseq assigns a
+    # new zero master gradient each step before the old one goes: 512 floats held twice for a moment.
+    assert mixed.category_max["optimizer"] == 4 * n + 4 * n + 2 * 4 * n + 4 * 512
+
+
+def test_the_accountant_sees_one_microbatch_of_activations_and_checkpointed_layers() -> None:
+    base = translation_memory.account(FULL, 8848, 6632, tokens=4000, length=32)
+    micro = translation_memory.account([*FULL, "--update-freq", "4", "--max-tokens", "1000"], 8848, 6632, tokens=4000, length=32)
+    one = translation_memory.account(FULL, 8848, 6632, tokens=(4000 // 4 // 32) * 32, length=32)
+    assert micro.at_peak["activations"] == one.at_peak["activations"]  # activations of one batch of 31 sentences
+    assert micro.category_max["gradients"] == base.category_max["gradients"]
+    ckpt = translation_memory.account([*FULL, *PLUGIN, "--arch", ARCH, "--checkpoint-activations"], 8848, 6632, tokens=4000, length=32)
+    assert ckpt.at_peak["activations"] < base.at_peak["activations"] / 5
+    assert ckpt.category_max["optimizer"] == base.category_max["optimizer"]
+
+
+def test_technique_parameters_are_checked() -> None:
+    with pytest.raises(ParamError, match="--max-tokens 1000"):
+        TranslationTechniquesParams(max_tokens=4000, techniques={"baseline": [], "uf": ["--update-freq", "4"]})
+    with pytest.raises(ParamError, match="unknown"):
+        TranslationTechniquesParams(techniques={"baseline": []}, trained=["baseline", "nope"])
+    with pytest.raises(ParamError, match="baseline"):
+        TranslationTechniquesParams(techniques={"x": []})
+    p = TranslationTechniquesParams(recipe_args=FULL, techniques={"baseline": [], "s": ["--sparsity", "0.5"]}, dsr_periods=[1, 2, 3, 4])
+    args = translation_study.train_params(p, "s").scale_args
+    assert args[-2:] == ["--sparsity", "0.5"] and "[1,2,3,4]" in args and ARCH in args
+    # Microbatching's --max-tokens is the run's batch: the last --max-tokens on the fairseq-train command line.
+    p = TranslationTechniquesParams(recipe_args=FULL, max_tokens=4000,
+                                    techniques={"baseline": [], "uf": ["--update-freq", "4", "--max-tokens", "1000"]})
+    cmd = translation.train_args(translation_study.train_params(p, "uf"), Path("bin"), Path("save"))
+    assert cmd[len(cmd) - 1 - cmd[::-1].index("--max-tokens") + 1] == "1000"
+    assert cmd[cmd.index("--update-freq") + 1] == "4"
