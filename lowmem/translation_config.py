@@ -133,11 +133,67 @@ class TranslationMemoryParams:
             raise ParamError(f"measured must be [tokens, length] pairs with length <= tokens, got {self.measured!r}")
 
 
+@dataclass
+class TranslationTechniquesParams:
+    """Stages ``translation_techniques_train`` and ``translation_techniques``: each technique alone on DynamicConv,
+    as fairseq-train options through lowmem's plugin (notebook 08)."""
+
+    profile: str = "smoke"
+    seed: int = 0
+    device: str = "auto"
+    recipe_args: list[str] = field(default_factory=list)  # from translation_train
+    scale_args: list[str] = field(default_factory=list)  # from translation_train: the profile's model size
+    max_tokens: int = 4000  # from translation_train: tokens per update
+    lr: float = 0.0005  # from translation_train
+    src_vocab: int = 8848  # from translation_memory: the full-size model that is accounted
+    tgt_vocab: int = 6632
+    reference_length: int = 32  # from translation_memory: tokens per sentence in the accounted batch
+    techniques: dict[str, list[str]] = field(default_factory=lambda: {"baseline": []})  # name -> fairseq-train options
+    trained: list[str] = field(default_factory=lambda: ["baseline"])  # trained and scored at this profile
+    timed: list[str] = field(default_factory=lambda: ["baseline"])  # step time measured side by side
+    max_update: int = 20  # updates of each trained run (all runs alike)
+    warmup_updates: int = 5
+    dsr_periods: list[int] = field(default_factory=lambda: [100, 200, 400, 800])  # DSR rewiring periods, in updates
+    timing_updates: int = 10  # updates per timing run (the first two, warm-up, are not timed)
+    timing_repeats: int = 2  # timing runs per technique, interleaved with the others
+
+    FROM = {"recipe_args": "translation_train", "scale_args": "translation_train", "max_tokens": "translation_train",
+            "lr": "translation_train", "src_vocab": "translation_memory", "tgt_vocab": "translation_memory",
+            "reference_length": "translation_memory"}
+
+    def __post_init__(self) -> None:
+        _check_choice("profile", self.profile, PROFILES)
+        _check_choice("device", self.device, DEVICES)
+        _check_args("recipe_args", self.recipe_args)
+        _check_args("scale_args", self.scale_args)
+        _check_positive(max_tokens=self.max_tokens, max_update=self.max_update, warmup_updates=self.warmup_updates,
+                        timing_updates=self.timing_updates, timing_repeats=self.timing_repeats, reference_length=self.reference_length)
+        if self.techniques.get("baseline") != []:
+            raise ParamError("techniques must include 'baseline: []', the run every technique is compared with")
+        for name, args in self.techniques.items():
+            _check_args(f"techniques.{name}", args)
+            if "--update-freq" in args:
+                k = int(args[args.index("--update-freq") + 1])
+                tokens = int(args[args.index("--max-tokens") + 1]) if "--max-tokens" in args else self.max_tokens
+                if k * tokens != self.max_tokens:
+                    raise ParamError(f"techniques.{name}: --update-freq {k} needs --max-tokens {self.max_tokens // k} "
+                                     f"(the baseline's {self.max_tokens} tokens per update in {k} batches), got {tokens}")
+        for key in ("trained", "timed"):
+            unknown = sorted(set(getattr(self, key)) - set(self.techniques))
+            if unknown or "baseline" not in getattr(self, key):
+                raise ParamError(f"{key} must name 'baseline' and techniques from {sorted(self.techniques)}; unknown: {unknown}")
+        if len(self.dsr_periods) != 4 or min(self.dsr_periods) < 1:
+            raise ParamError(f"dsr_periods must be four periods >= 1 (updates), got {self.dsr_periods!r}")
+        if self.timing_updates < 3:
+            raise ParamError("timing_updates must be at least 3 (two warm-up updates are not timed)")
+
+
 STAGES: dict[str, type] = {
     "translation_data": TranslationDataParams,
     "translation_train": TranslationTrainParams,
     "translation_evaluate": TranslationEvaluateParams,
     "translation_memory": TranslationMemoryParams,
+    "translation_techniques": TranslationTechniquesParams,
 }
 
 

@@ -34,6 +34,10 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dst
 
 
+def params_block(repo: Path) -> dict:
+    return yaml.safe_load((repo / "params.yaml").read_text())["translation_techniques"]
+
+
 @pytest.mark.slow
 def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
     first = run(["dvc", "repro"], repo)
@@ -54,6 +58,14 @@ def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
     for f in ("07_translation_memory.png", "07_translation_curves.png", "07_translation_curves.csv"):
         assert (repo / "figures" / f).stat().st_size > 0
     assert not list(repo.glob("data/translation/checkpoints/checkpoint[0-9]*.pt"))  # no epoch checkpoints
+    techniques = json.loads((repo / "metrics/translation_techniques.json").read_text())
+    assert techniques["profile"] == "smoke"
+    assert set(techniques["memory_mib"]) == set(params_block(repo)["techniques"])  # every technique accounted
+    assert techniques["memory_mib"]["baseline"]["total"] == translation["at_peak_mib"]["total"]  # the same full-size step
+    assert set(techniques["bleu"]) == set(params_block(repo)["trained"]["smoke"])
+    for f in ("08_translation_techniques_memory.png", "08_translation_techniques_bleu_time.png", "08_translation_techniques.md"):
+        assert (repo / "figures" / f).stat().st_size > 0
+    assert "profile `smoke`" in (repo / "figures/08_translation_techniques.md").read_text()
     shown = run(["dvc", "metrics", "show"], repo)
     assert "at_peak_mib.activations" in shown.stdout
     second = run(["dvc", "repro"], repo)
