@@ -30,7 +30,7 @@ from lowmem.measure import measure_step
 _root_level = logging.getLogger().level
 from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion  # noqa: E402
 from fairseq.data import Dictionary  # noqa: E402
-from fairseq.models import ARCH_CONFIG_REGISTRY, ARCH_MODEL_REGISTRY  # noqa: E402
+from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
 from fairseq import optim  # noqa: E402
 
 logging.getLogger().setLevel(_root_level)  # importing fairseq sets the root logger to DEBUG (environment notes)
@@ -60,9 +60,9 @@ def model_args(train_args: list[str]) -> argparse.Namespace:
     return training_options(train_args)[0]
 
 
-def build(train_args: list[str], src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
-    """(model, task-like holder of the two dictionaries) for ``train_args``'s architecture."""
-    args = model_args(train_args)
+def build(train_args: list[str] | argparse.Namespace, src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
+    """(model, task-like holder of the two dictionaries) for a command line's architecture (or its parsed options)."""
+    args = train_args if isinstance(train_args, argparse.Namespace) else model_args(train_args)
     task = types.SimpleNamespace(source_dictionary=_dictionary(src_vocab), target_dictionary=_dictionary(tgt_vocab))
     with torch.device(device):
         model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
@@ -121,7 +121,7 @@ def fairseq_step(
     if not 0 < length <= tokens or batch < 1:
         raise ValueError(f"{tokens} tokens in --update-freq {k} batches of sentences of length {length} leave no sentence per batch")
     torch.manual_seed(seed)
-    model, task = build(train_args, src_vocab, tgt_vocab, device)
+    model, task = build(args, src_vocab, tgt_vocab, device)  # the options parsed above, not parsed again
     if cfg.common.fp16:
         model = model.half()
     model.train()
