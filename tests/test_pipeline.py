@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from lowmem import frontier
+
 ROOT = Path(__file__).parents[1]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1"}
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +68,19 @@ def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
     for f in ("08_translation_techniques_memory.png", "08_translation_techniques_bleu_time.png", "08_translation_techniques.md"):
         assert (repo / "figures" / f).stat().st_size > 0
     assert "profile `smoke`" in (repo / "figures/08_translation_techniques.md").read_text()
+    combined = json.loads((repo / "metrics/combinations.json").read_text())
+    assert combined["profile"] == {"wrn": "smoke", "dynamicconv": "smoke"}
+    for task in ("wrn", "dynamicconv"):
+        block = yaml.safe_load((repo / "params.yaml").read_text())[f"combinations_{task}"]
+        runs = [json.loads(f.read_text()) for f in sorted((repo / "metrics/combinations").glob(f"{task}-*.json"))]
+        assert [r["slot"] for r in runs] == list(range(block["slots"])) and {r["profile"] for r in runs} == {"smoke"}
+        assert combined[task]["trained"] >= block["slots"]
+        assert set(combined[task]["best_within"]) == {f"{b:g}" for b in block["budgets"]}
+    for f in ("09_frontier.png", "09_wrn_budgets.md", "09_paper_comparison.md", "00_headline.md"):
+        assert (repo / "figures" / f).stat().st_size > 0
+    headline = (repo / "figures/00_headline.md").read_text()
+    assert "profile" in headline and "smoke" in headline
+    assert frontier.readme_block(repo / "README.md") == headline.strip()  # the report rewrote the README's table
     shown = run(["dvc", "metrics", "show"], repo)
     assert "at_peak_mib.activations" in shown.stdout
     second = run(["dvc", "repro"], repo)

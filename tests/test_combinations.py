@@ -1,0 +1,156 @@
+"""The combination study: Pareto extraction, budget tables, the comparison with the paper, the grid and the chosen
+subset, the accountant's shortcut for microbatches, and the DVC matrix stages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from lowmem import combinations, frontier
+from lowmem.config import ParamError
+
+ROOT = Path(__file__).parents[1]
+
+# A hand-made frontier: B and C tie on memory, C loses more quality but runs faster; E and G are dominated.
+POINTS = pd.DataFrame({
+    "name": ["A", "B", "C", "D", "E", "F", "G", "H"],
+    "reduction": [1.0, 2.0, 2.0, 4.0, 3.0, 8.0, 1.0, 50.0],
+    "quality_change": [0.0, -0.1, -0.3, -0.5, -0.6, -2.0, -0.2, float("nan")],
+    "time_ratio": [1.0, 1.5, 1.2, 1.1, 0.9, 3.0, 1.0, 1.0],
+})
+
+
+def test_pareto_keeps_exactly_the_undominated_points() -> None:
+    on = POINTS[frontier.pareto(POINTS)].name.tolist()
+    assert on == ["A", "B", "D", "F"]  # C: B has the same memory and less loss; E: D beats it on both; H: not trained
+
+
+def test_pareto_keeps_both_of_two_equal_points() -> None:
+    twins = pd.DataFrame({"reduction": [2.0, 2.0, 1.0], "quality_change": [-0.1, -0.1, -0.5]})
+    assert frontier.pareto(twins).tolist() == [True, True, False]
+
+
+def test_best_within_picks_the_largest_reduction_inside_each_budget() -> None:
+    best = frontier.best_within(POINTS, [0.01, 0.1, 0.3, 0.5, 5.0])
+    assert best.name.tolist() == ["A", "B", "C", "D", "F"]
+    # 0.1: B's -0.1 is on the budget's edge and counts; 0.3: B and C tie at 2x, and C is the faster one.
+    assert best.budget.tolist() == [0.01, 0.1, 0.3, 0.5, 5.0]
+
+
+def test_best_within_reports_a_budget_nothing_meets() -> None:
+    worse = POINTS.assign(quality_change=POINTS.quality_change - 1.0)
+    best = frontier.best_within(worse, [0.5, 1.0])
+    assert best.name.isna().tolist() == [True, False] and best.name.iloc[1] == "A"
+
+
+def test_comparison_reads_the_paper_from_the_reference_file(tmp_path: Path) -> None:
+    ref = frontier.paper_reference()
+    tables = {}
+    for task, r in ref["tasks"].items():
+        pts = POINTS.assign(config=POINTS.name, quality_change=POINTS.quality_change * abs(r["quality_change"]) / 0.5)
+        tables[task] = frontier.best_within(pts, [-r["quality_change"]]).rename(columns={"name": "x"})
+    comp = frontier.comparison(tables, ref, {t: "test" for t in ref["tasks"]})
+    for row in comp.itertuples():
+        paper = ref["tasks"][row.task]
+        assert row.paper_reduction == paper["memory_reduction"] and row.paper_change == paper["quality_change"]
+        assert row.our_config == "D" and row.ours_over_paper == pytest.approx(4.0 / paper["memory_reduction"])
+    with pytest.raises(ValueError, match="no row for the paper's budget"):
+        frontier.comparison({t: frontier.best_within(POINTS.assign(config=POINTS.name), [9.0]) for t in ref["tasks"]}, ref, {})
+
+
+def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# t\n\n{frontier.README_BEGIN}\nold\n{frontier.README_END}\n\nrest\n")
+    frontier.write_readme_block(readme, "| a |\n|---|\n| 1 |\n")
+    assert frontier.readme_block(readme) == "| a |\n|---|\n| 1 |"
+    assert readme.read_text().endswith("\n\nrest\n")
+    (tmp_path / "bare.md").write_text("# t\n")
+    with pytest.raises(ValueError, match="no headline block"):
+        frontier.write_readme_block(tmp_path / "bare.md", "x")
+
+
+def test_readme_shows_the_headline_table_the_report_wrote() -> None:
+    assert frontier.readme_block(ROOT / "README.md") == (ROOT / "figures/00_headline.md").read_text().strip()
+
+
+def small(task: str = "wrn", **kw: object) -> combinations.CombinationsParams:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["base"]["profile"] = "smoke"
+    p = combinations.resolve(task, params)
+    for k, v in kw.items():
+        setattr(p, k, v)
+    return p
+
+
+def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
+    p = small(sparsity=[0, 0.5, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2], checkpoint=["none", "sqrt"])
+    g = combinations.grid(p)
+    assert len(g) == 3 * 2 * 3 * 2 and g[0] == {}
+    names = [combinations.name(p, c) for c in g]
+    assert len(set(names)) == len(names)
+    assert "sparsity-0.5+half-bf16+microbatch-2+checkpoint-sqrt" in names
+    d = small("dynamicconv")
+    assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
+        "--sparsity", "0.9", "--sparse-method", "static", "--fp16", "--update-freq", "4",
+        "--max-tokens", str(d.translation["max_tokens"] // 4), "--checkpoint-activations"]
+
+
+def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_level() -> None:
+    p = small(sparsity=[0, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8], checkpoint=["none"],
+              singles=[{"precision": "half-bf16"}], levels=[2, 10], slots=4)
+    rows = []
+    # grid order: baseline, microbatch-8, half-bf16, half-bf16+microbatch-8, sparsity-0.9, sparsity-0.9+microbatch-8, ...
+    for cfg, red in zip(combinations.grid(p), [1.0, 12.0, 1.9, 25.0, 2.0, 15.0, 2.1, 30.0]):
+        rows.append({"name": combinations.name(p, cfg), "config": json.dumps(cfg), "techniques": len(cfg),
+                     "mildness": combinations.mildness(p, cfg), "reduction": red, "precision": cfg.get("precision", "fp32")})
+    chosen = combinations.select(p, pd.DataFrame(rows))
+    # level 2: one technique is enough, and of the two equally mild singles that reach it microbatch-8 saves more;
+    # level 10: two techniques are needed, and of the two equally mild pairs half-bf16+microbatch-8 saves more.
+    assert [c["name"] for c in chosen] == ["baseline", "half-bf16", "microbatch-8", "half-bf16+microbatch-8"]
+    assert [c["slot"] for c in chosen] == [0, 1, 2, 3] and chosen[3]["config"] == {"precision": "half-bf16", "microbatch": 8}
+    p.slots = 5
+    with pytest.raises(ParamError, match="set slots to 4"):
+        combinations.select(p, pd.DataFrame(rows))
+    p.slots, p.levels = 4, [2, 100]
+    with pytest.raises(ParamError, match="no combination of the grid reaches 100x"):
+        combinations.select(p, pd.DataFrame(rows))
+
+
+@pytest.mark.parametrize("cfg", [
+    {"microbatch": 2},
+    {"sparsity": 0.9, "precision": "half-fp16", "microbatch": 2, "checkpoint": "sqrt"},
+    {"sparsity": 0.5, "precision": "mixed-bf16", "microbatch": 4, "checkpoint": "block"},
+])
+def test_skipping_repeated_microbatches_accounts_the_same_bytes(cfg: dict) -> None:
+    p = small(wrn={"model": "wrn-10-1", "num_classes": 10, "in_channels": 3, "image_size": 32, "batch_size": 16, "device": "cpu"})
+    short = combinations.wrn_memory_row(p, cfg)
+    full = combinations.wrn_memory_row(p, cfg, skip_repeats=False)
+    assert short == full
+
+
+def test_every_profile_chooses_as_many_combinations_as_the_matrix_has_slots() -> None:
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for task in combinations.TASKS:
+        slots = dvc[f"combination_{task}"]["matrix"]["slot"]
+        for profile in ("smoke", "cpu", "paper"):
+            p = combinations.resolve(task, {**params, "base": {**params["base"], "profile": profile}})
+            assert slots == list(range(p.slots))
+            assert 1 + len(p.singles) + len(p.levels) - len(p.trained_elsewhere) == p.slots
+        committed = json.loads((ROOT / f"data/combinations/{task}_selected.json").read_text())
+        assert [c["slot"] for c in committed["selected"]] == slots
+
+
+def test_the_matrix_stages_expand_to_one_run_per_slot() -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "DVC_NO_ANALYTICS": "1"}
+    out = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    stages = {line.split()[0] for line in out.splitlines() if line.strip()}
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for task in combinations.TASKS:
+        runs = {s for s in stages if s.startswith(f"combination_{task}@")}
+        assert runs == {f"combination_{task}@{i}" for i in range(params[f"combinations_{task}"]["slots"])}
