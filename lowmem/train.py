@@ -10,8 +10,7 @@ the RNGs from (seed, epoch), so a resumed run draws the same batches and augment
 
 from __future__ import annotations
 
-import hashlib
-import os
+import dataclasses
 import resource
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from lowmem import checkpoint, microbatch, precision, sparsity
+from lowmem import checkpoint, microbatch, precision, runs, sparsity
 from lowmem.config import BaselineParams, resolve_device
 from lowmem.data import load, subset
 from lowmem.models import build_model
@@ -128,31 +127,67 @@ def _peak_memory_mib(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process peak RSS"
 
 
-def _code_version() -> str:
-    """A hash of lowmem's source: a checkpoint written by other code is never resumed (DVC reruns a stage when its
-    code changes, and must then really retrain)."""
-    h = hashlib.sha256()
-    for f in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+# The code on a WRN run's training path, for its key. lowmem.config is left out: it only validates and holds
+# defaults, and every value it resolves that changes training is in the run's fields (``run_fields``).
+TRAIN_CODE = [m for m in runs.closure("lowmem.train") if m != "lowmem.config"]
+# Fields of BaselineParams that do not change a run: what it is called, where it runs and reads from, and the list of
+# seeds it belongs to (each run has its own seed).
+NOT_IN_KEY = ("profile", "seed", "seeds", "data_root", "device", "num_workers")
 
 
-def _save(path: Path, state: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+def run_techniques(tech: Techniques, batch_size: int) -> dict[str, Any]:
+    """The techniques as they change training: a field that has no effect in this configuration is dropped, so two
+    spellings of one run share a key.
+
+    - ``sparse_format`` is counted by the accountant only;
+    - the sparse method and DSR's schedule mean nothing for a dense run, and DSR's schedule nothing for a static one;
+    - a microbatch of the whole batch or more is no split (one microbatch of weight 1);
+    - the checkpoint strategy recomputes the same forward: tests/test_checkpoint.py proves the gradients and BN
+      statistics bit-equal to the plain step in every precision and with sparse layers, so a checkpointed
+      configuration is the plain run and is not trained again.
+    """
+    t = asdict(tech)
+    t.pop("sparse_format")
+    t.pop("checkpoint")
+    if tech.sparsity == 0:
+        for k in ("sparse_method", "dsr_periods", "dsr_reallocate"):
+            t.pop(k)
+    elif tech.sparse_method == "static":
+        t.pop("dsr_periods")
+        t.pop("dsr_reallocate")
+    if tech.microbatch >= batch_size:
+        t["microbatch"] = 0
+    return t
+
+
+def run_fields(p: BaselineParams, seed: int, tech: Techniques) -> dict[str, Any]:
+    """What a WRN run's key is made of, besides its code: the resolved training fields, the seed, the techniques."""
+    fields = {k: v for k, v in asdict(p).items() if k not in NOT_IN_KEY}
+    return {**fields, "seed": seed, "techniques": run_techniques(tech, p.batch_size)}
+
+
+def store_run(p: BaselineParams, seed: int, tech: Techniques = Techniques(), root: Path | None = None) -> runs.Run:
+    return runs.Run("wrn", run_fields(p, seed, tech), TRAIN_CODE, root)
 
 
 def train(
     p: BaselineParams,
     seed: int,
-    run_dir: str | Path,
     tech: Techniques = Techniques(),
     progress: bool = True,
     on_epoch_end: Callable[[int, dict[str, Any]], None] | None = None,
+    root: Path | None = None,
 ) -> list[dict[str, Any]]:
-    """Trains one run and returns one metrics row per epoch. Resumes from ``run_dir/checkpoint.pt`` when it holds
-    the same configuration; a checkpoint of another configuration is set aside, never mixed in."""
+    """The run's metrics, one row per epoch, from the run store (``root``, default ``lowmem.runs.store()``): a
+    finished run is read, an interrupted one resumes from its last epoch's checkpoint, a new one is trained."""
+    run = store_run(p, seed, tech, root)
+    done = run.result()
+    if done is not None:
+        run.log("reused")
+        return done
+    # The run as its key says: checkpointing is left out of the key (bit-equal), so it trains without.
+    tech = dataclasses.replace(tech, checkpoint="none")
+    t_start = time.perf_counter()
     device = resolve_device(p.device)
     data = load(p.dataset, p.data_root, augment=p.augment, seed=0)
     # The subsets are fixed across seeds: seeds vary the initialization and the batch order, not the data.
@@ -177,14 +212,12 @@ def train(
         realloc = sparsity.scaled_reallocation(model, tech.dsr_reallocate)
         dsr = sparsity.DSR(layers, p.epochs * steps_per_epoch, realloc, tuple(tech.dsr_periods), seed=seed)
 
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = run_dir / "checkpoint.pt"
-    config = {"params": asdict(p), "seed": seed, "techniques": asdict(tech), "code": _code_version()}
+    run.start()
+    ckpt = run.dir / "checkpoint.pt"
     history: list[dict[str, Any]] = []
     if ckpt.exists():
         state = torch.load(ckpt, map_location=device, weights_only=True)
-        if state["config"] == config:
+        if state["key"] == run.key:
             if layers:
                 sparsity.resize_to(model, state["model"])  # DSR moved nonzeros between layers
             model.load_state_dict(state["model"])
@@ -195,8 +228,7 @@ def train(
             if dsr is not None:
                 dsr.load_state_dict(state["dsr"])
             history = state["history"]
-        else:
-            os.replace(ckpt, run_dir / "checkpoint.other-config.pt")
+            run.log(f"resumed at epoch {len(history)}")
 
     for epoch in range(len(history), p.epochs):
         # Batches and augmentations depend only on (seed, epoch): the same after a resume.
@@ -250,14 +282,16 @@ def train(
         history.append(row)
         if progress:
             tqdm.write(f"seed {seed} epoch {epoch + 1}/{p.epochs}: train loss {row['train_loss']:.4f}, test acc {acc:.4f}, {row['images_per_s']:.0f} img/s")
-        state = {"config": config, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        state = {"key": run.key, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
         if scaler is not None:
             state["scaler"] = scaler.state_dict()
         if dsr is not None:
             state["dsr"] = dsr.state_dict()
-        _save(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
+        runs.save_torch(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
         if on_epoch_end is not None:
             on_epoch_end(epoch + 1, row)
+    run.finish(history, time.perf_counter() - t_start)
+    ckpt.unlink()  # the result is what a finished run keeps; its weights are not needed by any stage
     return history
 
 

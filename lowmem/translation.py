@@ -8,15 +8,20 @@ Each step is a subcommand of ``python -m lowmem.translation`` that DVC runs with
     python -m lowmem.translation train    --params data/params/translation_train.yaml
     python -m lowmem.translation evaluate --params data/params/translation_evaluate.yaml
 
-``train`` prints the exact ``fairseq-train`` command it runs; a run stopped part-way resumes from fairseq's own
-``checkpoint_last.pt`` when the same command is run again.
+``train`` prints the exact ``fairseq-train`` command it runs. Its run lives in the run store (``lowmem.runs``),
+keyed by the command without its paths and device, the binarized data's digest, and, for runs through lowmem's
+plugin, the plugin's code: a finished run is read, never retrained, and one stopped part-way resumes from
+fairseq's own ``checkpoint_last.pt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib.metadata
 import json
 import re
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +30,18 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from lowmem import corpus
+from lowmem import corpus, runs
 from lowmem.config import ParamError
 from lowmem.translation_config import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, load
 
-DATA = Path("data/translation")  # raw/ and bpe/ (prepare), bin/ (binarize), checkpoints/ (train), generate/ (evaluate)
+DATA = Path("data/translation")  # raw/ and bpe/ (prepare), bin/ (binarize), generate/ (evaluate); runs: lowmem.runs
+# Options that do not change what fairseq-train computes: where it writes and finds the plugin (the plugin's code is
+# keyed instead), whether it runs on the CPU, and its data-loading workers. Value: how many words follow.
+CHECKPOINT = "--checkpoint-activations"
+NOT_IN_KEY = {"--save-dir": 1, "--user-dir": 1, "--num-workers": 1, "--cpu": 0,
+              # Checkpointed layers recompute the same forward: tests/test_translation_techniques.py proves loss and
+              # gradients bit-equal with dropout on, so a checkpointed run is the plain run, trained once, without.
+              CHECKPOINT: 0}
 
 
 def prepare(p: TranslationDataParams, data_dir: Path = DATA) -> dict[str, Any]:
@@ -76,6 +88,34 @@ def train_args(p: TranslationTrainParams, bin_dir: Path, save_dir: Path) -> list
     return args + (["--cpu"] if _use_cpu(p.device) else [])
 
 
+def data_digest(bin_dir: Path) -> str:
+    """The binarized corpus's identity: the names and bytes of what fairseq-train reads, its dictionaries and
+    binaries (not where they lie, nor fairseq-preprocess's log, which holds the time it ran)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(bin_dir).iterdir()):
+        if f.is_file() and (f.suffix in (".bin", ".idx") or f.name.startswith("dict.")):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_fields(p: TranslationTrainParams, data_dir: Path = DATA) -> dict[str, Any]:
+    """What a fairseq run's key is made of, besides the plugin's code: its options, the data, fairseq's version."""
+    args, kept = train_args(p, Path("BIN"), Path("SAVE"))[1:], []
+    i = 0
+    while i < len(args):
+        if args[i] in NOT_IN_KEY:
+            i += 1 + NOT_IN_KEY[args[i]]
+            continue
+        kept.append(args[i])
+        i += 1
+    return {"args": kept, "data": data_digest(data_dir / "bin"), "fairseq": importlib.metadata.version("fairseq-fixed")}
+
+
+def store_run(p: TranslationTrainParams, data_dir: Path = DATA) -> runs.Run:
+    plugin = "--user-dir" in map(str, p.scale_args)
+    return runs.Run("fairseq", run_fields(p, data_dir), runs.closure("lowmem.fairseq_plugin") if plugin else [])
+
+
 def shell(name: str, args: list[str]) -> str:
     """A command line a user can paste (``fairseq-<name> ...``), for logs and the README."""
     return " ".join([f"fairseq-{name}", *(a if re.fullmatch(r"[\w@%+=:,./-]+", a) else f"'{a}'" for a in args)])
@@ -93,26 +133,27 @@ def parse_log(lines: list[str]) -> list[dict[str, Any]]:
     return out
 
 
-def train(p: TranslationTrainParams, data_dir: Path = DATA, save_dir: Path | None = None) -> list[dict[str, Any]]:
-    """Runs fairseq-train, streaming its log to ``train.log`` in ``save_dir`` (default ``checkpoints``); returns
-    the parsed records of the whole run (a resumed run's log continues the interrupted one's)."""
-    save_dir = save_dir or data_dir / "checkpoints"
-    args = train_args(p, data_dir / "bin", save_dir)
-    stamp = save_dir / "command.txt"
-    command = shell("train", args)
-    if stamp.exists() and stamp.read_text().strip() != command:
-        # Checkpoints of another command (other model or data) must not be resumed by this one.
-        print(f"{save_dir} holds a run of another command; starting over")
-        for f in save_dir.iterdir():
-            f.unlink()
-    save_dir.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(command + "\n")
-    print(command, flush=True)
+def train(p: TranslationTrainParams, data_dir: Path = DATA) -> list[dict[str, Any]]:
+    """The parsed records of the run's ``fairseq-train`` log, from the run store: a finished run is read, an
+    interrupted one resumes from its ``checkpoint_last.pt``, a new one is trained. Its log streams to ``train.log``
+    in the run's folder (``store_run(p, data_dir).dir``), where its checkpoints are too."""
+    run = store_run(p, data_dir)
+    done = run.result()
+    if done is not None:
+        run.log("reused")
+        print(f"fairseq run {run.key} is in the store; nothing to train", flush=True)
+        return done
+    save_dir = run.dir
+    run.start()
+    args = [a for a in train_args(p, data_dir / "bin", save_dir) if a != CHECKPOINT]  # see NOT_IN_KEY
+    print(shell("train", args), flush=True)
     log = save_dir / "train.log"
+    t0 = time.perf_counter()
     if log.exists() and "done training in" in log.read_text().rstrip().rsplit("\n", 1)[-1]:
-        # Finished by this very command. Restarting fairseq would resume mid-epoch and take one more update.
-        print(f"{log} shows this run finished; nothing to train")
-        return parse_log(log.read_text().splitlines())
+        # Finished, but stopped before its result was written: restarting fairseq would take one more update.
+        records = parse_log(log.read_text().splitlines())
+        run.finish(records, 0.0)
+        return records
     proc = subprocess.Popen([*corpus.fairseq_cli("train"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=corpus.fairseq_env())
     assert proc.stdout is not None
@@ -129,7 +170,9 @@ def train(p: TranslationTrainParams, data_dir: Path = DATA, save_dir: Path | Non
     if proc.wait() != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise RuntimeError(f"fairseq-train failed ({proc.returncode}); the end of {log}:\n{tail}")
-    return parse_log(log.read_text().splitlines())
+    records = parse_log(log.read_text().splitlines())
+    run.finish(records, time.perf_counter() - t0)
+    return records
 
 
 def average_checkpoints(paths: list[Path], out: Path) -> Path:
@@ -194,11 +237,11 @@ def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     return round(bleu.corpus_score(detok, [refs]).score, 2), str(bleu.get_signature())
 
 
-def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA, save_dir: Path | None = None, out_dir: Path | None = None,
+def evaluate(p: TranslationEvaluateParams, data_dir: Path, save_dir: Path, out_dir: Path | None = None,
              extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """fairseq-generate on the test split with the (averaged) checkpoint of ``save_dir`` (default ``checkpoints``),
-    output in ``out_dir`` (default ``generate``); ``extra_args`` such as a plugin's ``--user-dir``."""
-    save_dir, out_dir = save_dir or data_dir / "checkpoints", out_dir or data_dir / "generate"
+    """fairseq-generate on the test split with the (averaged) checkpoint of the run in ``save_dir``, output in
+    ``out_dir`` (default ``data_dir/generate``); ``extra_args`` such as a plugin's ``--user-dir``."""
+    out_dir = out_dir or data_dir / "generate"
     out_dir.mkdir(parents=True, exist_ok=True)
     if p.average_last > 1:
         checkpoint = average_checkpoints(last_epoch_checkpoints(save_dir, p.average_last), out_dir / f"checkpoint_last{p.average_last}_avg.pt")
@@ -220,16 +263,25 @@ def evaluate(p: TranslationEvaluateParams, data_dir: Path = DATA, save_dir: Path
             "test_sentences": len(refs), "checkpoint": checkpoint.name, "beam": p.beam, "averaged_checkpoints": p.average_last}
 
 
-def run_track(params: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+def train_result(p: TranslationTrainParams, data_dir: Path = DATA) -> dict[str, Any]:
+    """What the translation_train stage records: the run's key and folder, whether this call trained it, its log."""
+    run = store_run(p, data_dir)
+    trained = run.result() is None
+    records = train(p, data_dir)
+    return {"profile": p.profile, "key": run.key, "dir": str(run.dir), "trained": trained, "records": records}
+
+
+def run_track(params: dict[str, Any], data_dir: Path, train_path: Path) -> dict[str, Any]:
     """All four steps at the profile of ``params`` (a parsed params.yaml): what the DVC stages do, for a notebook
-    opened where the pipeline has not run. Returns the evaluation."""
+    opened where the pipeline has not run. Writes the training result to ``train_path``; returns the evaluation."""
     from lowmem.translation_config import resolve
 
     data = TranslationDataParams(**resolve("translation_data", params))
     prepare(data, data_dir)
     binarize(data, data_dir)
-    train(TranslationTrainParams(**resolve("translation_train", params)), data_dir)
-    return evaluate(TranslationEvaluateParams(**resolve("translation_evaluate", params)), data_dir)
+    result = train_result(TranslationTrainParams(**resolve("translation_train", params)), data_dir)
+    runs.write_json(train_path, result)
+    return evaluate(TranslationEvaluateParams(**resolve("translation_evaluate", params)), data_dir, Path(result["dir"]))
 
 
 def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -250,17 +302,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, required=True, help="a stage's resolved parameters (python -m lowmem.translation_config)")
     ap.add_argument("--data-dir", type=Path, default=DATA)
     ap.add_argument("--metrics", type=Path, help="write the step's summary here as JSON")
+    ap.add_argument("--train-result", type=Path, help="evaluate: the train step's --metrics, naming the run to score")
     args = ap.parse_args(argv)
     stage = {"prepare": "translation_data", "binarize": "translation_data", "train": "translation_train", "evaluate": "translation_evaluate"}[args.step]
     try:
         p = load(stage, args.params)
-        result: Any = {"prepare": prepare, "binarize": binarize, "train": train, "evaluate": evaluate}[args.step](p, args.data_dir)
+        if args.step == "evaluate":
+            if args.train_result is None or not args.train_result.exists():
+                raise FileNotFoundError(f"evaluate needs --train-result, the train step's output ({args.train_result}); "
+                                        "run dvc repro translation_train first")
+            result: Any = evaluate(p, args.data_dir, Path(json.loads(args.train_result.read_text())["dir"]))
+        else:
+            result = {"prepare": prepare, "binarize": binarize, "train": train_result}[args.step](p, args.data_dir)
     except (ParamError, corpus.CorpusMissing, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.metrics:
-        args.metrics.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics.write_text(json.dumps(result, indent=2) + "\n")
+        runs.write_json(args.metrics, result)
     return 0
 
 

@@ -43,6 +43,35 @@ def test_wrn_gradients_and_bn_statistics_equal_the_unmodified_step(spec: str) ->
     assert int(ckpt.blocks[0].bn1.num_batches_tracked) == 1
 
 
+@pytest.mark.parametrize("prec", ["mixed-bf16", "half-bf16"])
+@pytest.mark.parametrize("level", [0.0, 0.9])
+@pytest.mark.parametrize("spec", ["block", "sqrt"])
+def test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers(spec: str, level: float, prec: str) -> None:
+    """What lets a run's key leave the checkpoint strategy out (lowmem.train.run_techniques): three optimizer steps
+    with and without checkpointing give the same weights, bit for bit."""
+    from lowmem import precision, sparsity
+
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    finals = []
+    for s in ("none", spec):
+        torch.manual_seed(0)
+        m = build_model("wrn-10-1")
+        if level:
+            sparsity.sparsify(m, level, "static", 0)
+        mode = precision.parse(prec)
+        precision.prepare(m, mode)
+        checkpoint.apply(m, s, tuple(x.shape))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        scaler = precision.make_scaler(mode, "cpu")
+        tech = Techniques(precision=prec)
+        for _ in range(3):
+            train_step(m, opt, precision.cast_batch(x, mode), y, tech, scaler=scaler)
+        finals.append([t.detach().clone() for t in m.state_dict().values()])
+    assert len(finals[0]) == len(finals[1])
+    for a, b in zip(*finals):
+        assert torch.equal(a, b)
+
+
 class DropoutChain(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -212,14 +212,14 @@ def test_sparse_layers_train_under_autocast_and_in_half() -> None:
 def test_a_dsr_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
     p = tiny(tmp_path, epochs=2)
     tech = Techniques(sparsity=0.8, dsr_periods=(2, 2, 2, 2), dsr_reallocate=200_000)
-    whole = train(p, 0, tmp_path / "whole", tech, progress=False)
+    whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
 
     def interrupt(epoch: int, _: dict) -> None:
         if epoch == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(p, 0, tmp_path / "cut", tech, progress=False, on_epoch_end=interrupt)
-    resumed = train(p, 0, tmp_path / "cut", tech, progress=False)
+        train(p, 0, tech, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
+    resumed = train(p, 0, tech, progress=False, root=tmp_path / "cut")
     assert whole[-1]["rewirings"] > 0
     assert results(resumed) == results(whole)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowmem import runs
 from lowmem.config import BaselineParams, ParamError
 from lowmem.train import Techniques, train, train_step
 
@@ -37,34 +38,38 @@ def test_a_few_steps_reduce_the_loss(tmp_path: Path) -> None:
 
 def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None:
     p = tiny(tmp_path, epochs=1)
-    a = train(p, 0, tmp_path / "a", progress=False)
-    b = train(p, 0, tmp_path / "b", progress=False)
-    c = train(p, 1, tmp_path / "c", progress=False)
+    a = train(p, 0, progress=False, root=tmp_path / "a")
+    b = train(p, 0, progress=False, root=tmp_path / "b")
+    c = train(p, 1, progress=False, root=tmp_path / "c")
     assert results(a) == results(b)
     assert results(a) != results(c)
 
 
 def test_an_interrupted_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
     p = tiny(tmp_path, epochs=3)
-    whole = train(p, 0, tmp_path / "whole", progress=False)
+    whole = train(p, 0, progress=False, root=tmp_path / "whole")
 
     def interrupt(epoch: int, _: dict) -> None:
         if epoch == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(p, 0, tmp_path / "cut", progress=False, on_epoch_end=interrupt)
-    resumed = train(p, 0, tmp_path / "cut", progress=False)
+        train(p, 0, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
+    resumed = train(p, 0, progress=False, root=tmp_path / "cut")
     assert len(resumed) == 3
+    assert [e["event"] for e in runs.ledger(tmp_path / "cut")] == ["resumed at epoch 2", "trained"]
     assert results(resumed) == results(whole)
 
 
-def test_a_checkpoint_of_another_configuration_is_not_resumed(tmp_path: Path) -> None:
-    train(tiny(tmp_path, epochs=1), 0, tmp_path / "run", progress=False)
-    other = train(tiny(tmp_path, epochs=1, lr=0.05), 0, tmp_path / "run", progress=False)
-    fresh = train(tiny(tmp_path, epochs=1, lr=0.05), 0, tmp_path / "fresh", progress=False)
-    assert results(other) == results(fresh)
-    assert (tmp_path / "run/checkpoint.other-config.pt").exists()
+def test_another_configuration_is_another_run_and_a_finished_one_is_read_not_retrained(tmp_path: Path) -> None:
+    first = train(tiny(tmp_path, epochs=1), 0, progress=False, root=tmp_path / "store")
+    other = train(tiny(tmp_path, epochs=1, lr=0.05), 0, progress=False, root=tmp_path / "store")
+    fresh = train(tiny(tmp_path, epochs=1, lr=0.05), 0, progress=False, root=tmp_path / "fresh")
+    assert results(other) == results(fresh) and results(other) != results(first)
+    again = train(tiny(tmp_path, epochs=1), 0, progress=False, root=tmp_path / "store")
+    assert again == first  # timings included: read from the store, not trained again
+    assert [e["event"] for e in runs.ledger(tmp_path / "store")] == ["trained", "trained", "reused"]
+    assert len([d for d in (tmp_path / "store").iterdir() if d.is_dir()]) == 2
 
 
 @pytest.mark.parametrize(

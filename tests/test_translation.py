@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from lowmem import corpus, translation, translation_memory
+from lowmem import corpus, runs, translation, translation_memory
 from lowmem.config import ParamError
 from lowmem.translation_config import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, resolve
 
@@ -137,12 +137,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict],
 
 @pytest.mark.slow
 def test_a_few_fairseq_train_updates_on_cpu_reduce_the_loss(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
-    data, records, _ = trained
+    data, records, t = trained
     inner = [r for r in records if r["kind"] == "train_inner"]
     assert [int(r["num_updates"]) for r in inner] == [10, 20, 30]
     assert inner[-1]["loss"] < inner[0]["loss"] - 1.0
-    assert (data / "checkpoints" / "checkpoint_last.pt").exists()
-    assert not list((data / "checkpoints").glob("checkpoint[0-9]*.pt"))  # --no-epoch-checkpoints
+    run_dir = translation.store_run(t, data).dir
+    assert (run_dir / "checkpoint_last.pt").exists()
+    assert not list(run_dir.glob("checkpoint[0-9]*.pt"))  # --no-epoch-checkpoints
     epochs = translation.history(records)
     assert [e["epoch"] for e in epochs] == list(range(1, len(epochs) + 1))
     assert all("valid_loss" in e and "train_loss" in e for e in epochs)
@@ -150,8 +151,8 @@ def test_a_few_fairseq_train_updates_on_cpu_reduce_the_loss(trained: tuple[Path,
 
 @pytest.mark.slow
 def test_fairseq_generate_gives_a_bleu_line_the_pipeline_parses(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
-    data, _, _ = trained
-    result = translation.evaluate(TranslationEvaluateParams(beam=4, device="cpu"), data)
+    data, _, t = trained
+    result = translation.evaluate(TranslationEvaluateParams(beam=4, device="cpu"), data, translation.store_run(t, data).dir)
     text = (data / "generate" / "generate.txt").read_text()
     assert result["bleu_tokenized"] == translation.parse_bleu(text)
     assert 0 <= result["bleu_tokenized"] <= 100 and 0 <= result["sacrebleu"] <= 100
@@ -162,11 +163,16 @@ def test_fairseq_generate_gives_a_bleu_line_the_pipeline_parses(trained: tuple[P
 @pytest.mark.slow
 def test_a_finished_command_is_not_rerun_and_another_starts_over(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
     data, records, t = trained
-    again = translation.train(t, data)  # finished by this command: fairseq is not restarted
+    again = translation.train(t, data)  # finished by this command: read from the store, fairseq is not restarted
     assert again == records
+    run = translation.store_run(t, data)
+    assert [e["event"] for e in runs.ledger() if e["key"] == run.key] == ["trained", "reused"]
     longer = TranslationTrainParams(**{**t.__dict__, "max_update": 40})
-    fresh = translation.train(longer, data)  # another command: the old checkpoints are not resumed
+    assert translation.store_run(longer, data).key != run.key
+    fresh = translation.train(longer, data)  # another command: another run, the old checkpoints are not resumed
     assert [int(r["num_updates"]) for r in fresh if r["kind"] == "train_inner"] == [10, 20, 30, 40]
+    # Where it runs and writes is not part of the run: the same run on another device string or worker count.
+    assert translation.store_run(TranslationTrainParams(**{**t.__dict__, "device": "auto"}), data).key == run.key
 
 
 def test_checkpoint_averaging_is_the_mean_of_the_models(tmp_path: Path) -> None:

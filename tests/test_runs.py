@@ -1,0 +1,133 @@
+"""The run store: keys made only of what changes a run, code digests blind to docstrings and formatting, resuming
+after a real kill."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowmem import runs, translation
+from lowmem.config import BaselineParams
+from lowmem.train import TRAIN_CODE, Techniques, run_fields, store_run
+from lowmem.translation_config import TranslationTrainParams
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture
+def package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of lowmem/ that the digests read, so a test can edit its code."""
+    dst = tmp_path / "lowmem"
+    shutil.copytree(ROOT / "lowmem", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(runs, "PACKAGE", dst)
+    return dst
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+
+
+def _plugin_key(tmp_path: Path, scale_args: list[str]) -> str:
+    data = tmp_path / "translation"
+    (data / "bin").mkdir(parents=True, exist_ok=True)
+    (data / "bin" / "dict.de.txt").write_text("a 1\n")
+    p = TranslationTrainParams(recipe_args=["--arch", "lightconv_iwslt_de_en"], scale_args=scale_args, device="cpu")
+    return translation.store_run(p, data).key
+
+
+def test_docstrings_comments_and_formatting_do_not_change_a_digest_but_code_does(package: Path, tmp_path: Path) -> None:
+    wrn = runs.code_digest(TRAIN_CODE)
+    plugin = ["--user-dir", "/somewhere/lowmem_fairseq", "--sparsity", "0.9"]
+    fairseq = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []))
+    _edit(package / "train.py", '"""Training WRN on an image dataset', '"""Training a WRN (edited docstring) on an image dataset')
+    _edit(package / "train.py", "def evaluate(\n", "# a new comment\n\n\ndef evaluate(\n")
+    _edit(package / "train.py", "    model.eval()\n", "    model.eval()   # reformatted\n")
+    _edit(package / "corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
+    _edit(package / "sparse_linear.py", "    def forward(self, x", "    # a comment in the plugin's path\n    def forward(self, x")
+    assert runs.code_digest(TRAIN_CODE) == wrn
+    assert (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, [])) == fairseq
+    _edit(package / "train.py", "return correct / n, loss_sum / n", "return correct / max(n, 1), loss_sum / n")
+    assert runs.code_digest(TRAIN_CODE) != wrn
+
+
+def test_a_change_to_the_plugins_forward_changes_only_the_runs_through_the_plugin(package: Path, tmp_path: Path) -> None:
+    plugin = ["--user-dir", "/somewhere/lowmem_fairseq", "--sparsity", "0.9"]
+    before = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []), runs.code_digest(TRAIN_CODE))
+    _edit(package / "sparse_linear.py", "return y if self.bias is None else y + self.bias", "return y + self.bias if self.bias is not None else y")
+    after = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []), runs.code_digest(TRAIN_CODE))
+    assert after[0] != before[0]  # the plugin's runs are trained again
+    assert after[1:] == before[1:]  # plain fairseq runs and every WRN run keep their keys
+
+
+def test_the_plugins_path_and_the_device_are_not_part_of_a_fairseq_run(tmp_path: Path) -> None:
+    here = _plugin_key(tmp_path, ["--user-dir", "/a/lowmem_fairseq", "--sparsity", "0.9"])
+    assert _plugin_key(tmp_path, ["--user-dir", "/b/c/lowmem_fairseq", "--sparsity", "0.9"]) == here
+    assert _plugin_key(tmp_path, ["--user-dir", "/a/lowmem_fairseq", "--sparsity", "0.8"]) != here
+
+
+def test_a_wrn_key_leaves_out_what_does_not_change_the_run() -> None:
+    p = BaselineParams(dataset="synthetic", model="wrn-10-1", batch_size=32)
+    key = store_run(p, 0).key
+    same = [
+        BaselineParams(dataset="synthetic", model="wrn-10-1", batch_size=32, profile="cpu", seeds=[0, 1, 2], data_root="/x",
+                       device="cpu", num_workers=3, seed=7),
+    ]
+    assert {store_run(q, 0).key for q in same} == {key}
+    assert store_run(p, 0, Techniques(sparse_format="csr16", checkpoint="sqrt", microbatch=32, dsr_periods=(1, 2))).key == key
+    assert store_run(p, 1).key != key
+    assert store_run(BaselineParams(dataset="synthetic", model="wrn-10-1", batch_size=32, lr=0.05), 0).key != key
+    assert store_run(p, 0, Techniques(microbatch=16)).key != key
+    static = Techniques(sparsity=0.9, sparse_method="static")
+    assert store_run(p, 0, static).key == store_run(p, 0, Techniques(sparsity=0.9, sparse_method="static", dsr_periods=(5,))).key
+    assert store_run(p, 0, static).key != store_run(p, 0, Techniques(sparsity=0.9)).key
+    assert set(run_fields(p, 0, Techniques())) == {
+        "dataset", "augment", "model", "epochs", "batch_size", "lr", "momentum", "nesterov", "weight_decay", "milestones",
+        "gamma", "train_subset", "test_subset", "seed", "techniques"}
+
+
+def test_the_training_path_holds_the_trainer_and_techniques_but_no_study_or_other_track() -> None:
+    assert {"lowmem.train", "lowmem.sparsity", "lowmem.precision", "lowmem.microbatch", "lowmem.checkpoint",
+            "lowmem.models", "lowmem.data", "lowmem.recipe"} <= set(TRAIN_CODE)
+    assert not {m for m in TRAIN_CODE if m.endswith("_study") or "translation" in m or m in ("lowmem.corpus", "lowmem.config")}
+
+
+def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path) -> None:
+    """SIGKILL (no handler can run) while the train stage's entry point is between epochs, then the same command."""
+    block = {"profile": "smoke", "seed": 0, "seeds": [0], "dataset": "synthetic", "model": "wrn-10-1", "epochs": 4,
+             "batch_size": 32, "device": "cpu"}
+    resolved = BaselineParams(**block).__dict__
+    params = tmp_path / "baseline.yaml"
+    params.write_text(yaml.safe_dump(resolved))
+    env = {**os.environ, "LOWMEM_RUNS": str(tmp_path / "cut")}
+    cmd = [sys.executable, "-m", "lowmem.train_stage", "baseline", "--params", str(params), "--data-root", str(tmp_path / "raw")]
+    proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cut.json")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    store = tmp_path / "cut"
+    deadline = time.time() + 300
+    while time.time() < deadline and not list(store.glob("*/checkpoint.pt")):
+        time.sleep(0.05)
+    assert list(store.glob("*/checkpoint.pt")), "no checkpoint appeared"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not list(store.glob("*/result.json"))  # killed before the run finished
+    done = subprocess.run([*cmd, "--out", str(tmp_path / "cut.json")], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    events = [e["event"] for e in runs.ledger(store)]
+    assert events[0].startswith("resumed at epoch ") and events[-1] == "trained"
+    whole = subprocess.run([*cmd, "--out", str(tmp_path / "whole.json")], cwd=ROOT, capture_output=True, text=True,
+                           env={**os.environ, "LOWMEM_RUNS": str(tmp_path / "whole")})
+    assert whole.returncode == 0, whole.stderr
+    timing = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
+    strip = lambda f: [{k: v for k, v in row.items() if k not in timing}
+                       for r in json.loads(f.read_text())["runs"] for row in r["history"]]
+    assert strip(tmp_path / "cut.json") == strip(tmp_path / "whole.json")
+    assert len(strip(tmp_path / "whole.json")) == 4
