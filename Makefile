@@ -14,8 +14,9 @@ $(VENV)/.installed: requirements.txt requirements-2.txt constraints.txt pyprojec
 	bash scripts/setup.sh
 	touch $@
 
+# dvc repro, with each stage's wall time written to figures/stage_times.{csv,md} (lowmem/stage_times.py).
 repro: setup
-	dvc repro
+	python -m lowmem.stage_times
 
 test: setup
 	python -m pytest

@@ -34,13 +34,13 @@ import yaml
 from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
-from lowmem import checkpoint, microbatch, precision, sparsity, translation
+from lowmem import checkpoint, microbatch, precision, runs, sparsity, translation
 from lowmem.accounting import CATEGORIES, MIB, account_step, dense
 from lowmem.config import PROFILES, BaselineParams, ParamError, resolve as resolve_wrn, resolve_device
 from lowmem.data import load
 from lowmem.models import build_model
 from lowmem.recipe import make_optimizer
-from lowmem.train import Techniques, summarize, train, train_step
+from lowmem.train import Techniques, store_run, summarize, train, train_step
 from lowmem.translation_config import TranslationEvaluateParams, TranslationTechniquesParams, resolve as resolve_translation
 
 TASKS = ("wrn", "dynamicconv")
@@ -273,13 +273,18 @@ def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progres
     return [statistics.median(t) for t in times]
 
 
-def train_wrn(p: CombinationsParams, cfg: dict[str, Any], run_dir: Path, progress: bool = True) -> dict[str, Any]:
-    """Trains ``cfg`` with the baseline block's recipe and data on each of ``p.train_seeds``; resumable per seed."""
+def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Trains ``cfg`` with the baseline block's recipe and data on each of ``p.train_seeds``, through the run store:
+    a run another stage made (a single technique of notebooks 03-05, or the plain run of a checkpointed
+    configuration) is taken from there."""
     base = BaselineParams(**p.train)
     tech = wrn_techniques(p, cfg, base.batch_size)
-    final = [train(base, seed, run_dir / f"seed{seed}", tech, progress=progress)[-1] for seed in p.train_seeds]
+    store = [store_run(base, seed, tech) for seed in p.train_seeds]
+    fresh = [r.result() is None for r in store]
+    final = [train(base, seed, tech, progress=progress)[-1] for seed in p.train_seeds]
     s = summarize(final)
-    return {"model": base.model, "data": final[0]["data"], "epochs": base.epochs, "batch_size": base.batch_size,
+    return {"runs": [{"key": r.key, "seed": seed, "trained": t} for r, seed, t in zip(store, p.train_seeds, fresh)],
+            "model": base.model, "data": final[0]["data"], "epochs": base.epochs, "batch_size": base.batch_size,
             "trained_microbatch": tech.microbatch, "per_seed_acc": [r["test_acc"] for r in final],
             **{k: s[k] for k in ("seeds", "test_acc_mean", "test_acc_std", "images_per_s", "step_s")}}
 
@@ -318,13 +323,16 @@ def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path
     from lowmem import translation_study  # fairseq: imported only where DynamicConv runs
     n = name(p, cfg)
     tp = translation_params(p, [{}, cfg], [n])
-    save_dir = data_dir / "combinations" / n
-    records = translation.train(translation_study.train_params(tp, n), data_dir, save_dir)
+    run = translation.store_run(translation_study.train_params(tp, n), data_dir)
+    trained = run.result() is None
+    records = translation.train(translation_study.train_params(tp, n), data_dir)
+    save_dir = run.dir
     ev = translation.evaluate(TranslationEvaluateParams(profile=tp.profile, device=tp.device), data_dir, save_dir,
                               save_dir / "generate", tuple(translation_study.PLUGIN[:2]))
     timing = translation_study.time_steps(tp, data_dir)
     per = pd.DataFrame(timing).groupby("technique").seconds_per_update.median()
-    return {"bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"], "max_update": tp.max_update,
+    return {"runs": [{"key": run.key, "seed": tp.seed, "trained": trained}],
+            "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"], "max_update": tp.max_update,
             "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r),
             "time_ratio": round(float(per[n] / per["baseline"]), 3), "timing": timing}
 
@@ -370,10 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--slot", type=int, help="train: which chosen combination (0 = the baseline)")
     ap.add_argument("--sweep-dir", type=Path, default=Path("data/combinations"), help="the sweep's table and selection")
-    ap.add_argument("--run-dir", type=Path, default=Path("data/runs/combinations"), help="train: WRN run state")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA, help="train: the translation stages' data")
     ap.add_argument("--data-root", default="data/raw", help="WRN: image datasets (the notebooks' ../data/raw, from the repository root)")
     ap.add_argument("--metrics", type=Path, help="train: write the run's metrics here")
+    ap.add_argument("--results", type=Path, help="a copy of what the step wrote, kept in the DVC cache (dvc.yaml)")
     args = ap.parse_args(argv)
     try:
         p = resolve(args.task, yaml.safe_load(args.params.read_text()))
@@ -384,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
             args.sweep_dir.mkdir(parents=True, exist_ok=True)
             df.to_csv(args.sweep_dir / f"{p.task}_sweep.csv", index=False)
             (args.sweep_dir / f"{p.task}_selected.json").write_text(json.dumps({"profile": p.profile, "selected": chosen}, indent=2) + "\n")
+            if args.results:
+                runs.write_json(args.results, {"profile": p.profile, "combinations": len(df), "selected": chosen})
             return 0
         if args.slot is None or args.metrics is None:
             raise ParamError("train needs --slot and --metrics")
@@ -397,14 +407,16 @@ def main(argv: list[str] | None = None) -> int:
         cfg = chosen["config"]
         print(f"== {p.task} slot {args.slot}: {chosen['name']} ({chosen['role']})", flush=True)
         if p.task == "wrn":
-            result = train_wrn(p, cfg, args.run_dir / chosen["name"])
+            result = train_wrn(p, cfg)
         else:
             result = train_translation(p, cfg, args.data_dir)
     except (ParamError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.metrics.parent.mkdir(parents=True, exist_ok=True)
-    args.metrics.write_text(json.dumps({"task": p.task, "profile": p.profile, **chosen, **result}, indent=2) + "\n")
+    out = {"task": p.task, "profile": p.profile, **chosen, **result}
+    runs.write_json(args.metrics, out)
+    if args.results:
+        runs.write_json(args.results, out)
     return 0
 
 

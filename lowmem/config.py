@@ -182,6 +182,7 @@ class MicrobatchingParams:
     memory_microbatches: list[int] = field(default_factory=lambda: [128, 32])  # b values accounted at batch B
     norms: list[str] = field(default_factory=lambda: ["batch", "group", "renorm"])
     train_microbatches: list[int] = field(default_factory=lambda: [0, 16])  # b values trained; 0 = b = B (no split)
+    train_norms: list[str] = field(default_factory=lambda: ["batch", "group", "renorm"])  # trained, each at every b; a subset of norms
     train_seeds: list[int] = field(default_factory=lambda: [0])
     train: dict = field(default_factory=dict)  # the baseline block, resolved
 
@@ -196,6 +197,8 @@ class MicrobatchingParams:
             raise ParamError(f"memory_microbatches must not exceed batch_size={self.batch_size}: {self.memory_microbatches}")
         for n in self.norms:
             _check_choice("norms", n, NORMS)
+        if not self.train_norms or not set(self.train_norms) <= set(self.norms):
+            raise ParamError(f"train_norms must be a non-empty subset of norms {self.norms}, got {self.train_norms!r}")
         if not self.train_microbatches or not all(isinstance(b, int) and b >= 0 for b in self.train_microbatches):
             raise ParamError(f"train_microbatches must be integers >= 0 (0 = no split), got {self.train_microbatches!r}")
         if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):

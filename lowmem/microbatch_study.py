@@ -3,7 +3,7 @@ accuracy and throughput of real training with per-microbatch BatchNorm and its r
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -13,7 +13,7 @@ from lowmem.config import BaselineParams, MicrobatchingParams
 from lowmem.microbatch import convert_norm
 from lowmem.models import build_model
 from lowmem.recipe import make_optimizer
-from lowmem.train import Techniques, summarize, train, train_step
+from lowmem.train import Techniques, summarize, train_step
 
 
 def memory(p: MicrobatchingParams) -> pd.DataFrame:
@@ -34,18 +34,16 @@ def memory(p: MicrobatchingParams) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def accuracy(p: MicrobatchingParams, run_dir: str | Path, progress: bool = True) -> pd.DataFrame:
-    """Final-epoch metrics of each (normalization, microbatch size, seed) run, with the baseline block's recipe."""
+def plan(p: MicrobatchingParams) -> list[tuple[dict[str, Any], BaselineParams, int, Techniques]]:
+    """The trained runs: (labels, recipe, seed, techniques) for each (normalization, microbatch size, seed)."""
     base = BaselineParams(**p.train)
-    rows = []
-    for norm in p.norms:
+    out = []
+    for norm in p.train_norms:
         for b in p.train_microbatches:
             size = b if 0 < b < base.batch_size else 0
-            for seed in p.train_seeds:
-                tech = Techniques(microbatch=size, norm=norm)
-                history = train(base, seed, Path(run_dir) / f"{norm}-b{size or base.batch_size}-seed{seed}", tech, progress=progress)
-                rows.append({**history[-1], "norm": norm, "microbatch": size or base.batch_size})
-    return pd.DataFrame(rows)
+            out += [({"norm": norm, "microbatch": size or base.batch_size}, base, seed, Techniques(microbatch=size, norm=norm))
+                    for seed in p.train_seeds]
+    return out
 
 
 def summary(acc: pd.DataFrame) -> pd.DataFrame:

@@ -41,3 +41,63 @@ def save_table(df: pd.DataFrame, path: str | Path, caption: str) -> tuple[Path, 
 
 def save_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     return _atomic(Path(path), lambda p: Path(p).write_text(json.dumps(metrics, indent=2, sort_keys=False) + "\n"), ".json")
+
+
+# --- publishing a stage's outputs ---------------------------------------------------------------------------------
+# A notebook stage writes its figures, tables and metrics into data/staging/<stage>/ and only then, when papermill
+# has run every cell, moves them into figures/ and metrics/: a stage that fails part-way leaves the committed
+# results as they were (dvc.yaml marks them persist, so DVC does not delete them before the stage runs either).
+
+
+def reader_copy(executed: Path, dst: Path) -> Path:
+    """The executed notebook as a reader opens it (figures/notebooks/): its tables and figures, without the
+    stderr streams (progress bars, warnings) and papermill's per-cell timings."""
+    nb = json.loads(Path(executed).read_text())
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("papermill", None)
+        cell.get("metadata", {}).pop("execution", None)
+        if "outputs" in cell:
+            cell["outputs"] = [o for o in cell["outputs"] if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+    nb.get("metadata", {}).pop("papermill", None)
+    text = json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+    return _atomic(Path(dst), lambda p: Path(p).write_text(text), ".ipynb")
+
+
+def publish(staging: Path, root: Path, executed: Path | None = None) -> list[Path]:
+    """Moves every file of ``staging`` to the same place under ``root``, and the reader's copy of ``executed``
+    to ``root/figures/notebooks/``; returns the published paths."""
+    staging, root = Path(staging), Path(root)
+    done = []
+    for f in sorted(p for p in staging.rglob("*") if p.is_file()):
+        dst = root / f.relative_to(staging)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dst)
+        done.append(dst)
+    if executed is not None:
+        done.append(reader_copy(executed, root / "figures" / "notebooks" / Path(executed).name))
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import shutil
+
+    ap = argparse.ArgumentParser(description="Publish a notebook stage's outputs once it has succeeded.")
+    ap.add_argument("step", choices=("publish", "clear"))
+    ap.add_argument("staging", type=Path, help="the stage's staging folder, e.g. data/staging/memory_profile")
+    ap.add_argument("--root", type=Path, default=Path("."))
+    ap.add_argument("--notebook", type=Path, help="publish: the executed notebook, copied for readers")
+    args = ap.parse_args(argv)
+    if args.step == "clear":  # before the notebook runs: nothing of an earlier failed attempt is published
+        shutil.rmtree(args.staging, ignore_errors=True)
+        args.staging.mkdir(parents=True)
+        return 0
+    for path in publish(args.staging, args.root, args.notebook):
+        print(f"published {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

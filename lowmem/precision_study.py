@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -16,7 +16,7 @@ from lowmem.config import BaselineParams, PrecisionParams, resolve_device
 from lowmem.measure import CPUWorkspace, measure_step
 from lowmem.models import build_model
 from lowmem.recipe import make_optimizer
-from lowmem.train import Techniques, summarize, train, train_step
+from lowmem.train import Techniques, summarize, train_step
 
 
 def mode_step(
@@ -54,15 +54,10 @@ def memory(p: PrecisionParams) -> pd.DataFrame:
     return df
 
 
-def accuracy(p: PrecisionParams, run_dir: str | Path, progress: bool = True) -> pd.DataFrame:
-    """Final-epoch metrics of each (mode, seed) run, with the baseline block's recipe and data."""
+def plan(p: PrecisionParams) -> list[tuple[dict[str, Any], BaselineParams, int, Techniques]]:
+    """The trained runs: (labels, recipe, seed, techniques) for each (mode, seed), with the baseline block's recipe."""
     base = BaselineParams(**p.train)
-    rows = []
-    for mode in p.train_modes:
-        for seed in p.train_seeds:
-            history = train(base, seed, Path(run_dir) / f"{mode}-seed{seed}", Techniques(precision=mode), progress=progress)
-            rows.append({**history[-1], "mode": mode})
-    return pd.DataFrame(rows)
+    return [({"mode": mode}, base, seed, Techniques(precision=mode)) for mode in p.train_modes for seed in p.train_seeds]
 
 
 def summary(acc: pd.DataFrame) -> pd.DataFrame:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -16,7 +16,7 @@ from lowmem.config import BaselineParams, SparsityParams, resolve_device
 from lowmem.measure import measure_step
 from lowmem.models import build_model
 from lowmem.recipe import make_optimizer
-from lowmem.train import Techniques, summarize, train, train_step
+from lowmem.train import Techniques, summarize, train_step
 
 FIXED = ("model", "gradients", "optimizer")  # what sparsity shrinks: weights, their gradients, momentum
 
@@ -111,17 +111,13 @@ def _tech(p: SparsityParams, level: float, method: str) -> Techniques:
     return Techniques(sparsity=level, sparse_method=method, dsr_periods=tuple(p.dsr_periods), dsr_reallocate=p.dsr_reallocate)
 
 
-def accuracy(p: SparsityParams, run_dir: str | Path, progress: bool = True) -> pd.DataFrame:
-    """Final-epoch metrics of each (method, level, seed) run, with the baseline block's recipe and data."""
+def plan(p: SparsityParams) -> list[tuple[dict[str, Any], BaselineParams, int, Techniques]]:
+    """The trained runs: (labels, recipe, seed, techniques) for each (method, level, seed), with the baseline
+    block's recipe and data; ``lowmem.train_stage`` trains them through the run store."""
     base = BaselineParams(**p.train)
     configs = [("dsr", s) for s in p.train_levels] + [("static", s) for s in p.static_levels if s > 0]
-    rows = []
-    for method, level in configs:
-        for seed in p.train_seeds:
-            name = "dense" if level == 0 else f"{method}-{level}"
-            history = train(base, seed, Path(run_dir) / f"{name}-seed{seed}", _tech(p, level, method), progress=progress)
-            rows.append({**history[-1], "method": "dense" if level == 0 else method, "sparsity": level})
-    return pd.DataFrame(rows)
+    return [({"method": "dense" if level == 0 else method, "sparsity": level}, base, seed, _tech(p, level, method))
+            for method, level in configs for seed in p.train_seeds]
 
 
 def summary(acc: pd.DataFrame) -> pd.DataFrame:

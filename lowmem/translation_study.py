@@ -23,7 +23,7 @@ from typing import Any
 
 import pandas as pd
 
-from lowmem import corpus, translation, translation_memory
+from lowmem import corpus, runs, translation, translation_memory
 from lowmem.accounting import CATEGORIES, MIB
 from lowmem.config import ParamError
 from lowmem.fairseq_plugin import ARCH, PLUGIN_DIR, TASK
@@ -71,13 +71,16 @@ def train_all(p: TranslationTechniquesParams, data_dir: Path = translation.DATA)
     """Trains and scores each technique of ``p.trained``; a finished run is not trained again."""
     out = []
     for name in p.trained:
-        save_dir = data_dir / "techniques" / name
         print(f"== {name}", flush=True)
-        records = translation.train(train_params(p, name), data_dir, save_dir)
+        tp = train_params(p, name)
+        run = translation.store_run(tp, data_dir)
+        trained = run.result() is None
+        records = translation.train(tp, data_dir)
+        save_dir = run.dir
         ev = translation.evaluate(TranslationEvaluateParams(profile=p.profile, device=p.device), data_dir, save_dir,
                                   save_dir / "generate", tuple(PLUGIN[:2]))
         last_valid = [r for r in records if r["kind"] == "valid"][-1:]
-        out.append({"technique": name, "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"],
+        out.append({"technique": name, "key": run.key, "trained": trained, "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"],
                     "valid_loss": last_valid[0]["valid_loss"] if last_valid else None,
                     "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r)})
     return out
@@ -134,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, required=True, help="resolved parameters (python -m lowmem.translation_config translation_techniques)")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA)
     ap.add_argument("--metrics", type=Path, required=True, help="write the runs' BLEU and step times here as JSON")
+    ap.add_argument("--results", type=Path, help="a copy of the metrics, kept in the DVC cache (dvc.yaml)")
     args = ap.parse_args(argv)
     try:
         result = run(load("translation_techniques", args.params), args.data_dir)
     except (ParamError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    args.metrics.parent.mkdir(parents=True, exist_ok=True)
-    args.metrics.write_text(json.dumps(result, indent=2) + "\n")
+    runs.write_json(args.metrics, result)
+    if args.results:
+        runs.write_json(args.results, result)
     return 0
 
 

@@ -1,4 +1,11 @@
-"""The DVC pipeline end to end at the smoke profile, in a throwaway copy of the repository."""
+"""The DVC pipeline at the smoke profile, in one throwaway copy of the repository shared by every test here.
+
+The copy runs the training stages of both tracks (TRAINING below) and the run index, through the test session's
+run store (tests/conftest.py): the notebooks, which nbval runs once each afterwards, take their runs from there.
+The notebook stages are the same papermill command at other parameters; their publishing step is tested in
+test_outputs.py, and the keys of the plugin's runs in test_runs.py. The tests run in file order and each builds
+on the copy the one before left.
+"""
 
 import json
 import os
@@ -10,9 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem import frontier
+from lowmem import runs
 
 ROOT = Path(__file__).parents[1]
+TRAINING = ["baseline_train", "precision_train", "sparsity_train", "microbatching_train", "translation_train"]
+pytestmark = pytest.mark.slow
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -20,83 +29,87 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=1500)
 
 
-@pytest.fixture(scope="module")
+def trained_events() -> list[str]:
+    return [e["key"] for e in runs.ledger() if e["event"] == "trained"]
+
+
+@pytest.fixture(scope="session")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The working tree as git sees it (tracked and untracked-not-ignored files), in a fresh git repo."""
+    """The working tree as git sees it, at the smoke profile, after `dvc repro TRAINING` and the run index,
+    committed in a fresh git repo."""
     dst = tmp_path_factory.mktemp("repo")
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True)
     for rel in files.stdout.splitlines():
         if (ROOT / rel).is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / rel, dst / rel)
-    run(["git", "init", "-q"], dst)
     params = yaml.safe_load((dst / "params.yaml").read_text())
     params["base"]["profile"] = "smoke"
     (dst / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run(["git", "init", "-q"], cwd=dst, check=True)
+    before = len(trained_events())
+    first = run(["dvc", "repro", *TRAINING], dst)
+    assert first.returncode == 0, first.stdout[-5000:] + first.stderr[-5000:]
+    index = run([sys.executable, "-m", "lowmem.run_index"], dst)
+    assert index.returncode == 0, index.stderr
+    (dst / "trained_here.json").write_text(json.dumps(trained_events()[before:]))
+    for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "smoke"]):
+        subprocess.run(cmd, cwd=dst, check=True, capture_output=True)
     return dst
 
 
-def params_block(repo: Path) -> dict:
-    return yaml.safe_load((repo / "params.yaml").read_text())["translation_techniques"]
+def test_every_distinct_run_is_trained_once_and_shared_between_stages(repo: Path) -> None:
+    index = json.loads((repo / "metrics/runs.json").read_text())
+    keys = [r["key"] for r in index["runs"]]
+    assert len(keys) == len(set(keys)) == index["distinct_runs"]
+    trained = json.loads((repo / "trained_here.json").read_text())
+    assert sorted(trained) == sorted(set(trained)) == sorted(keys)  # each key trained exactly once, by one stage
+    for r in index["runs"]:
+        assert len(r["trained_by"]) == 1 and r["trained_by"][0] in r["stages"]
+    # The fp32 reference run of seed 0 serves the baseline and every WRN study that trains; it is trained once.
+    wrn = {"baseline_train", "precision_train", "sparsity_train", "microbatching_train"}
+    shared = [r for r in index["runs"] if wrn <= set(r["stages"])]
+    assert len(shared) == 1 and len(shared[0]["trained_by"]) == 1  # by whichever of them DVC ran first
+    assert index["uses"] == len(keys) + len(wrn) - 1
 
 
-@pytest.mark.slow
-def test_dvc_repro_runs_the_pipeline_then_nothing(repo: Path) -> None:
-    first = run(["dvc", "repro"], repo)
-    assert first.returncode == 0, first.stdout + first.stderr
-    metrics = json.loads((repo / "metrics/memory_profile.json").read_text())
-    assert metrics["profile"] == "smoke"
-    assert metrics["parameters"] == 1_467_610
-    assert abs(metrics["measured"]["max_abs_gap_pct"]) < 5
-    for f in ("01_memory_breakdown.png", "01_memory_breakdown.csv", "01_memory_breakdown.md", "01_accounted_vs_measured.md"):
-        assert (repo / "figures" / f).stat().st_size > 0
-    assert "profile `smoke`" in (repo / "figures/01_memory_breakdown.md").read_text()
-    translation = json.loads((repo / "metrics/translation.json").read_text())
-    bleu = json.loads((repo / "metrics/translation_bleu.json").read_text())
-    assert translation["profile"] == "smoke" and translation["bleu_tokenized"] == bleu["bleu_tokenized"]
-    assert translation["max_abs_gap_pct"] < 3
-    assert translation["corpus"].startswith("synthetic")
-    assert "profile `smoke`" in (repo / "figures/07_translation_bleu.md").read_text()
-    for f in ("07_translation_memory.png", "07_translation_curves.png", "07_translation_curves.csv"):
-        assert (repo / "figures" / f).stat().st_size > 0
-    assert not list(repo.glob("data/translation/checkpoints/checkpoint[0-9]*.pt"))  # no epoch checkpoints
-    techniques = json.loads((repo / "metrics/translation_techniques.json").read_text())
-    assert techniques["profile"] == "smoke"
-    assert set(techniques["memory_mib"]) == set(params_block(repo)["techniques"])  # every technique accounted
-    assert techniques["memory_mib"]["baseline"]["total"] == translation["at_peak_mib"]["total"]  # the same full-size step
-    assert set(techniques["bleu"]) == set(params_block(repo)["trained"]["smoke"])
-    for f in ("08_translation_techniques_memory.png", "08_translation_techniques_bleu_time.png", "08_translation_techniques.md"):
-        assert (repo / "figures" / f).stat().st_size > 0
-    assert "profile `smoke`" in (repo / "figures/08_translation_techniques.md").read_text()
-    combined = json.loads((repo / "metrics/combinations.json").read_text())
-    assert combined["profile"] == {"wrn": "smoke", "dynamicconv": "smoke"}
-    for task in ("wrn", "dynamicconv"):
-        block = yaml.safe_load((repo / "params.yaml").read_text())[f"combinations_{task}"]
-        runs = [json.loads(f.read_text()) for f in sorted((repo / "metrics/combinations").glob(f"{task}-*.json"))]
-        assert [r["slot"] for r in runs] == list(range(block["slots"])) and {r["profile"] for r in runs} == {"smoke"}
-        assert combined[task]["trained"] >= block["slots"]
-        assert set(combined[task]["best_within"]) == {f"{b:g}" for b in block["budgets"]}
-    for f in ("09_frontier.png", "09_wrn_budgets.md", "09_paper_comparison.md", "00_headline.md"):
-        assert (repo / "figures" / f).stat().st_size > 0
-    headline = (repo / "figures/00_headline.md").read_text()
-    assert "profile" in headline and "smoke" in headline
-    assert frontier.readme_block(repo / "README.md") == headline.strip()  # the report rewrote the README's table
-    shown = run(["dvc", "metrics", "show"], repo)
-    assert "at_peak_mib.activations" in shown.stdout
-    second = run(["dvc", "repro"], repo)
-    assert second.returncode == 0
-    assert "Running stage" not in second.stdout
+def test_a_second_repro_runs_nothing(repo: Path) -> None:
+    again = run(["dvc", "repro", *TRAINING], repo)
+    assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout
 
 
-@pytest.mark.slow
-def test_a_bad_profile_stops_the_stage_before_any_work(repo: Path) -> None:
-    figures = {p.name: p.read_bytes() for p in (repo / "figures").glob("*")}
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["base"]["profile"] = "huge"
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    r = run(["dvc", "repro"], repo)
-    assert r.returncode != 0
-    assert "base.profile='huge' is not allowed; use one of: smoke, cpu, paper" in r.stdout + r.stderr
-    # DVC removes a stage's outputs before running it; none may come back half-written.
-    for p in (repo / "figures").glob("*"):
-        assert p.name in figures and p.read_bytes() == figures[p.name]
+def test_a_bad_value_through_dvc_exp_run_touches_no_result(repo: Path) -> None:
+    for bad in ("base.profile=gpu", "sparsity.train_levels.smoke=[0.5]"):  # a plain value; one of a profile mapping
+        r = run(["dvc", "exp", "run", "-S", bad], repo)
+        assert r.returncode != 0
+        assert "Nothing was run and no result was touched" in r.stderr + r.stdout, r.stderr[-3000:]
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, check=True).stdout
+        changed = [line for line in status.splitlines() if not line.endswith("params.yaml")]
+        assert not changed, f"{bad}: {changed}"
+        subprocess.run(["git", "checkout", "--", "params.yaml"], cwd=repo, check=True)
+
+
+def test_one_changed_parameter_retrains_only_the_runs_it_touches(repo: Path) -> None:
+    before = trained_events()
+    r = run(["dvc", "exp", "run", "-S", "sparsity.static_levels.smoke=[0.5,0.9]", "sparsity_train"], repo)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert len(trained_events()) == len(before) + 1  # static 0.5 at the one smoke seed; the rest from the store
+    assert "sparsity: 4 runs, 1 trained, 3 taken from the store" in r.stdout
+    subprocess.run(["git", "checkout", "--", "."], cwd=repo, check=True)
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+
+
+def test_a_docstring_edit_in_the_trainer_and_the_corpus_retrains_nothing(repo: Path) -> None:
+    before = trained_events()
+    _edit(repo / "lowmem/train.py", '"""Training WRN on an image dataset', '"""Training a WRN on an image dataset')
+    _edit(repo / "lowmem/corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
+    r = run(["dvc", "repro", "baseline_train", "translation_train"], repo)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # DVC reran the stages, as the files they import changed, and they took every run from the store.
+    assert "Running stage 'baseline_train'" in r.stdout and "Running stage 'translation_train'" in r.stdout
+    assert trained_events() == before

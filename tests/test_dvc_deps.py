@@ -1,0 +1,90 @@
+"""dvc.yaml: each stage lists every lowmem module it imports, and every stage runs after the parameter check."""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lowmem import runs
+
+ROOT = Path(__file__).parents[1]
+STAGES = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+
+
+def _notebook_imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        for node in ast.walk(ast.parse("".join(cell["source"]))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lowmem":
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    found.add(sub if runs._module_file(sub).exists() else node.module)
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.split(".")[0] == "lowmem"}
+    return found
+
+
+def _entry_points(stage: dict) -> set[str]:
+    """The lowmem modules a stage's command runs: ``python -m lowmem.X`` and the notebooks papermill executes."""
+    cmd = stage["cmd"]
+    mods = set(re.findall(r"python -m (lowmem[\w.]*)", cmd))
+    for nb in re.findall(r"papermill (notebooks/\S+\.ipynb)", cmd):
+        mods |= _notebook_imports(ROOT / nb)
+    return mods
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_a_stage_lists_every_lowmem_module_it_imports(name: str) -> None:
+    stage = STAGES[name]
+    needed = {str(runs._module_file(m).relative_to(ROOT)) for m in runs.closure(*_entry_points(stage))}
+    assert needed, f"stage {name} runs no lowmem code?"
+    missing = sorted(needed - set(stage["deps"]))
+    assert not missing, f"stage {name} imports {missing} but does not list them in deps"
+
+
+def test_the_closure_follows_lazy_imports_too() -> None:
+    # combinations imports translation_study inside a function (fairseq only where DynamicConv runs).
+    assert "lowmem.translation_study" in runs.closure("lowmem.combinations")
+    assert "lowmem.fairseq_plugin" in runs.closure("lowmem.translation_study")
+
+
+def _upstream(name: str, seen: set[str]) -> set[str]:
+    produced = {}
+    for n, s in STAGES.items():
+        for o in s.get("outs", []) + s.get("metrics", []) + s.get("plots", []):
+            produced[o if isinstance(o, str) else next(iter(o))] = n
+    for d in STAGES[name].get("deps", []):
+        d = d.replace("${item.slot}", "0")
+        if d in produced and produced[d] not in seen:
+            seen.add(produced[d])
+            _upstream(produced[d], seen)
+    return seen
+
+
+@pytest.mark.parametrize("name", sorted(set(STAGES) - {"params"}))
+def test_every_stage_runs_after_the_parameter_check(name: str) -> None:
+    assert "params" in _upstream(name, set())
+
+
+def test_every_stage_keeps_an_output_a_fresh_clone_lacks() -> None:
+    """So that `make repro` on a fresh clone reruns it: an output in the DVC cache (or a metrics file it writes
+    only from a run result in data/results)."""
+    for name, stage in STAGES.items():
+        if name in ("params", "runs"):
+            continue  # cheap checks and indexes: rerun whenever what they read changes
+        cached = [o for o in stage.get("outs", []) if isinstance(o, str)]
+        assert cached, f"stage {name} has no DVC-cached output; a fresh clone would skip it"
+
+
+def test_no_committed_result_is_deleted_before_its_stage_succeeds() -> None:
+    for name, stage in STAGES.items():
+        for o in stage.get("outs", []) + stage.get("metrics", []) + stage.get("plots", []):
+            if isinstance(o, dict):
+                (path, opts), = o.items()
+                if opts.get("cache") is False:
+                    assert opts.get("persist") is True, f"{name}: {path} is committed but DVC would delete it before the stage runs"
