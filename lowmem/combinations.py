@@ -323,15 +323,13 @@ def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path
     from lowmem import translation_study  # fairseq: imported only where DynamicConv runs
     n = name(p, cfg)
     tp = translation_params(p, [{}, cfg], [n])
-    run = translation.store_run(translation_study.train_params(tp, n), data_dir)
-    trained = run.result() is None
-    records = translation.train(translation_study.train_params(tp, n), data_dir)
-    save_dir = run.dir
+    res = translation.train_result(translation_study.train_params(tp, n), data_dir)
+    records, save_dir = res["records"], Path(res["dir"])
     ev = translation.evaluate(TranslationEvaluateParams(profile=tp.profile, device=tp.device), data_dir, save_dir,
                               save_dir / "generate", tuple(translation_study.PLUGIN[:2]))
     timing = translation_study.time_steps(tp, data_dir)
     per = pd.DataFrame(timing).groupby("technique").seconds_per_update.median()
-    return {"runs": [{"key": run.key, "seed": tp.seed, "trained": trained}],
+    return {"runs": [{"key": res["key"], "seed": tp.seed, "trained": res["trained"]}],
             "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"], "max_update": tp.max_update,
             "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r),
             "time_ratio": round(float(per[n] / per["baseline"]), 3), "timing": timing}

@@ -72,15 +72,12 @@ def train_all(p: TranslationTechniquesParams, data_dir: Path = translation.DATA)
     out = []
     for name in p.trained:
         print(f"== {name}", flush=True)
-        tp = train_params(p, name)
-        run = translation.store_run(tp, data_dir)
-        trained = run.result() is None
-        records = translation.train(tp, data_dir)
-        save_dir = run.dir
+        res = translation.train_result(train_params(p, name), data_dir)
+        records, save_dir = res["records"], Path(res["dir"])
         ev = translation.evaluate(TranslationEvaluateParams(profile=p.profile, device=p.device), data_dir, save_dir,
                                   save_dir / "generate", tuple(PLUGIN[:2]))
         last_valid = [r for r in records if r["kind"] == "valid"][-1:]
-        out.append({"technique": name, "key": run.key, "trained": trained, "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"],
+        out.append({"technique": name, "key": res["key"], "trained": res["trained"], "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"],
                     "valid_loss": last_valid[0]["valid_loss"] if last_valid else None,
                     "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r)})
     return out
