@@ -29,9 +29,12 @@ def _uses(results: Path, metrics: Path) -> Iterator[tuple[str, str, bool]]:
                 yield stage, r["key"], r["trained"]
         elif "key" in data:  # translation_train
             yield stage, data["key"], data["trained"]
-        else:  # translation_techniques_train
-            for r in data["trained"]:
-                yield stage, r["key"], r["trained"]
+    # The stages left out of `make repro` (frozen in dvc.yaml) keep only their committed metrics. Results written
+    # before the run store have no keys and are not listed.
+    techniques = metrics / "translation_techniques_train.json"
+    for r in runs.read_json(techniques)["trained"] if techniques.exists() else []:
+        if "key" in r:
+            yield "translation_techniques_train", r["key"], r["trained"]
     for f in sorted((metrics / "combinations").glob("*.json")):
         for r in runs.read_json(f).get("runs", []):
             yield f"combination_{f.stem.replace('-', '@')}", r["key"], r["trained"]

@@ -75,8 +75,8 @@ def test_every_stage_keeps_an_output_a_fresh_clone_lacks() -> None:
     """So that `make repro` on a fresh clone reruns it: an output in the DVC cache (or a metrics file it writes
     only from a run result in data/results)."""
     for name, stage in STAGES.items():
-        if name in ("params", "runs"):
-            continue  # cheap checks and indexes: rerun whenever what they read changes
+        if name in ("params", "runs") or stage.get("frozen"):
+            continue  # cheap checks and indexes rerun whenever what they read changes; frozen stages never run
         cached = [o for o in stage.get("outs", []) if isinstance(o, str)]
         assert cached, f"stage {name} has no DVC-cached output; a fresh clone would skip it"
 
@@ -88,3 +88,18 @@ def test_no_committed_result_is_deleted_before_its_stage_succeeds() -> None:
                 (path, opts), = o.items()
                 if opts.get("cache") is False:
                     assert opts.get("persist") is True, f"{name}: {path} is committed but DVC would delete it before the stage runs"
+
+
+def test_stages_left_out_of_make_repro_keep_every_output_in_git_and_are_named_in_the_readme() -> None:
+    """A frozen stage never runs under `make repro`, so a fresh clone must already hold all it makes; the README
+    names each one and the command that runs it."""
+    frozen = sorted(n for n, s in STAGES.items() if s.get("frozen"))
+    assert frozen == ["combination_dynamicconv", "combination_wrn", "combinations_sweep_dynamicconv", "combinations_sweep_wrn",
+                      "translation_techniques_train"]
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Left out of the default pipeline"):]
+    assert "make repro-all" in section
+    for name in frozen:
+        assert f"`{name}`" in section, name
+        for o in STAGES[name].get("outs", []) + STAGES[name].get("metrics", []) + STAGES[name].get("plots", []):
+            assert isinstance(o, dict) and next(iter(o.values())).get("cache") is False, f"{name}: {o} would be missing from a fresh clone"

@@ -89,27 +89,25 @@ def test_a_bad_value_through_dvc_exp_run_touches_no_result(repo: Path) -> None:
         subprocess.run(["git", "checkout", "--", "params.yaml"], cwd=repo, check=True)
 
 
-def test_one_changed_parameter_retrains_only_the_runs_it_touches(repo: Path) -> None:
-    before = trained_events()
-    r = run(["dvc", "exp", "run", "-S", "sparsity.static_levels.smoke=[0.5,0.9]", "sparsity_train"], repo)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len(trained_events()) == len(before) + 1  # static 0.5 at the one smoke seed; the rest from the store
-    assert "sparsity: 4 runs, 1 trained, 3 taken from the store" in r.stdout
-    subprocess.run(["git", "checkout", "--", "."], cwd=repo, check=True)
-
-
 def _edit(path: Path, old: str, new: str) -> None:
     text = path.read_text()
     assert text.count(old) == 1, old
     path.write_text(text.replace(old, new))
 
 
-def test_a_docstring_edit_in_the_trainer_and_the_corpus_retrains_nothing(repo: Path) -> None:
+def test_a_docstring_edit_retrains_nothing_and_one_changed_parameter_only_the_runs_it_touches(repo: Path) -> None:
+    """One `dvc exp run` for both (each DVC run of the copy costs tens of seconds): docstrings edited in the WRN
+    trainer and the translation corpus, and one new static sparsity level."""
     before = trained_events()
     _edit(repo / "lowmem/train.py", '"""Training WRN on an image dataset', '"""Training a WRN on an image dataset')
     _edit(repo / "lowmem/corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
-    r = run(["dvc", "repro", "baseline_train", "translation_train"], repo)
+    r = run(["dvc", "exp", "run", "-S", "sparsity.static_levels.smoke=[0.5,0.9]", "baseline_train", "sparsity_train",
+             "translation_train"], repo)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    # DVC reran the stages, as the files they import changed, and they took every run from the store.
-    assert "Running stage 'baseline_train'" in r.stdout and "Running stage 'translation_train'" in r.stdout
-    assert trained_events() == before
+    # DVC reran the stages, as the files they import changed, and they took every other run from the store.
+    for stage in ("baseline_train", "sparsity_train", "translation_train"):
+        assert f"Running stage '{stage}'" in r.stdout, stage
+    assert "baseline: 1 runs, 0 trained, 1 taken from the store" in r.stdout
+    assert "sparsity: 4 runs, 1 trained, 3 taken from the store" in r.stdout  # static 0.5 at the one smoke seed
+    assert len(trained_events()) == len(before) + 1
+    subprocess.run(["git", "checkout", "--", "."], cwd=repo, check=True)

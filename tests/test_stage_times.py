@@ -1,0 +1,47 @@
+"""lowmem.stage_times: the per-stage times of `make repro`, and `make repro-all`'s temporary unfreezing."""
+
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from lowmem import stage_times
+
+DVC_YAML = """stages:
+  a:
+    cmd: echo a
+  m:
+    matrix:
+      slot: [0, 1]
+    frozen: true  # left out
+    cmd: echo ${item.slot}
+"""
+
+
+def _echo(lines: str) -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.stdout.write({lines!r})"]
+
+
+def test_a_stage_runs_from_its_start_line_to_the_next() -> None:
+    rc, times = stage_times.timed(_echo("Running stage 'a':\nx\nRunning stage 'm@0':\n"))
+    assert rc == 0
+    assert [n for n, _ in times] == ["a", "m@0"]
+
+
+def test_the_failed_stage_gets_no_time_and_older_times_are_kept(tmp_path: Path) -> None:
+    table = tmp_path / "t"
+    pd.DataFrame([{"stage": "old", "seconds": 5.0, "measured": "2026-01-01", "profile": "cpu"}]).to_csv(table.with_suffix(".csv"), index=False)
+    merged = stage_times.update(table, [("a", 1.0), ("b", 2.0)], "cpu", ok=False)
+    assert merged.stage.tolist() == ["old", "a"]
+
+
+def test_repro_all_runs_without_the_frozen_marks_and_puts_dvc_yaml_back(tmp_path: Path) -> None:
+    dvc_yaml = tmp_path / "dvc.yaml"
+    dvc_yaml.write_text(DVC_YAML)
+    assert stage_times.left_out(dvc_yaml) == ["m"]
+    seen = tmp_path / "seen"
+    cmd = [sys.executable, "-c", f"import pathlib, sys; pathlib.Path({str(seen)!r}).write_text(pathlib.Path({str(dvc_yaml)!r}).read_text()); sys.exit(3)"]
+    rc, _ = stage_times.unfrozen(cmd, dvc_yaml)
+    assert rc == 3
+    assert "frozen" not in seen.read_text() and "echo ${item.slot}" in seen.read_text()
+    assert dvc_yaml.read_text() == DVC_YAML
