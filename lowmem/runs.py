@@ -1,9 +1,11 @@
 """The run store: every training run of both tracks, kept once under ``data/runs/<key>/``.
 
 A run's key is made only of what changes the run: the fields that change training (model, data identity, recipe,
-techniques, seed, steps), and a digest of the code on that run's training path. The digest hashes each module's
-normalized AST with its docstrings removed, so comments, docstrings and formatting never retrain anything, and a
-module off the path (another study, the accountant's storage formats) never does either. What a run leaves out of
+techniques, seed, steps), and a digest of the code on that run's training path. The digest hashes the normalized
+AST of each top-level definition on the path, with docstrings and ``lowmem`` imports removed, as a set: comments,
+docstrings and formatting never retrain anything, nor does moving a function or class from one module of the path
+to another (what a refactoring does), and a module off the path (another study, the accountant's storage formats)
+never does either. What a run leaves out of
 its key (output paths, the profile's name, device, worker counts, the other seeds of a list, accounting-only fields)
 is the caller's to drop; ``lowmem.train.run_fields`` and ``lowmem.translation.run_fields`` do.
 
@@ -81,17 +83,41 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-def normalized_source(module: str) -> str:
-    """The module's code as its AST without docstrings: comments and formatting are gone by construction."""
-    tree = _strip_docstrings(ast.parse(_module_file(module).read_text()))
-    return ast.dump(tree, annotate_fields=False, include_attributes=False)
+def _is_internal_import(node: ast.AST) -> bool:
+    """An import of ``lowmem`` code (or ``__future__``): what it brings in is on the path already, and where it
+    comes from is the module layout, not the run."""
+    if isinstance(node, ast.Import):
+        return all(a.name.split(".")[0] == "lowmem" for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return bool(node.level) or (node.module or "").split(".")[0] in ("lowmem", "__future__")
+    return False
+
+
+class _DropInternalImports(ast.NodeTransformer):
+    def generic_visit(self, node: ast.AST) -> ast.AST:
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, list) and any(_is_internal_import(v) for v in value):
+                setattr(node, name, [v for v in value if not _is_internal_import(v)])
+        return super().generic_visit(node)
+
+
+def definitions(module: str) -> list[str]:
+    """The module's top-level statements as normalized ASTs, one string each: docstrings and ``lowmem`` imports
+    removed (lazy ones too), so comments, formatting and the module a definition lives in are gone."""
+    tree = _DropInternalImports().visit(_strip_docstrings(ast.parse(_module_file(module).read_text())))
+    return [ast.dump(node, annotate_fields=False, include_attributes=False) for node in tree.body]
 
 
 def code_digest(modules: Iterable[str]) -> str:
-    """One digest of the normalized code of ``modules`` (a run's training path)."""
+    """One digest of the code of ``modules`` (a run's training path): its top-level definitions as a sorted
+    multiset and its external imports as a set, so that the same definitions spread over other modules give the
+    same digest."""
+    every = [d for m in set(modules) for d in definitions(m)]
+    # External imports count once: a module that a definition moves into imports torch again, say.
+    imports = {d for d in every if d.startswith(("Import(", "ImportFrom("))}
     h = hashlib.sha256()
-    for m in sorted(set(modules)):
-        h.update(m.encode() + b"\0" + normalized_source(m).encode() + b"\0")
+    for d in sorted(imports) + sorted(d for d in every if d not in imports):
+        h.update(d.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
