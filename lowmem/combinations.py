@@ -40,6 +40,7 @@ from lowmem.config import PROFILES, BaselineParams, ParamError, resolve as resol
 from lowmem.data import load
 from lowmem.models import build_model
 from lowmem.recipe import make_optimizer
+from lowmem.step import wrn_model
 from lowmem.train import Techniques, store_run, summarize, train, train_step
 from lowmem.translation_config import TranslationEvaluateParams, TranslationTechniquesParams, resolve as resolve_translation
 
@@ -196,20 +197,6 @@ def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: in
                       dsr_reallocate=p.dsr.get("dsr_reallocate", 20000))
 
 
-def _wrn_model(model_name: str, num_classes: int, in_channels: int, tech: Techniques, device: torch.device, seed: int,
-               batch_shape: tuple[int, ...]) -> torch.nn.Module:
-    """The model as ``lowmem.train.train`` builds it, in its order: norms, sparse layers, precision, checkpoints."""
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = build_model(model_name, num_classes=num_classes, in_channels=in_channels)
-    microbatch.convert_norm(model, tech.norm)
-    if tech.sparsity:
-        sparsity.sparsify(model, tech.sparsity, tech.sparse_method, seed)
-    precision.prepare(model, precision.parse(tech.precision))
-    checkpoint.apply(model, tech.checkpoint, batch_shape)
-    return model
-
-
 def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: bool = True) -> dict[str, Any]:
     """The accounted peak of one full-size step (``p.wrn``: WRN-28-2 at B = 128) under ``cfg``, by category.
 
@@ -226,7 +213,7 @@ def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: boo
     # Meta tensors, or fake CPU tensors where autocast needs a device type (mixed modes; see precision.shapes_only).
     # The sparse pattern is laid out on meta first: a fake tensor cannot pick positions (data-dependent shapes).
     mixed = prec.kind == "mixed"
-    model = _wrn_model(w["model"], w["num_classes"], w["in_channels"], dataclasses.replace(tech, checkpoint="none"),
+    model = wrn_model(w["model"], w["num_classes"], w["in_channels"], dataclasses.replace(tech, checkpoint="none"),
                        torch.device("meta"), p.seed, (b or B, w["in_channels"], w["image_size"], w["image_size"]))
     ctx = FakeTensorMode(allow_non_fake_inputs=True) if mixed else torch.device("meta")
     device = torch.device("cpu") if mixed else torch.device("meta")
@@ -255,7 +242,7 @@ def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progres
     for cfg in tqdm(configs, desc="building and warming up", disable=not progress, mininterval=10):
         tech = wrn_techniques(p, cfg, base.batch_size)
         shape = (base.batch_size, data.in_channels, 32, 32)
-        model = _wrn_model(base.model, data.num_classes, data.in_channels, tech, device, p.seed, shape)
+        model = wrn_model(base.model, data.num_classes, data.in_channels, tech, device, p.seed, shape)
         opt = make_optimizer(model)
         prec = precision.parse(tech.precision)
         scaler = precision.make_scaler(prec, device.type)

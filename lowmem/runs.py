@@ -105,7 +105,14 @@ def definitions(module: str) -> list[str]:
     """The module's top-level statements as normalized ASTs, one string each: docstrings and ``lowmem`` imports
     removed (lazy ones too), so comments, formatting and the module a definition lives in are gone."""
     tree = _DropInternalImports().visit(_strip_docstrings(ast.parse(_module_file(module).read_text())))
-    return [ast.dump(node, annotate_fields=False, include_attributes=False) for node in tree.body]
+    out = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):  # one entry per imported name: `from x import a, b` = a; b
+            prefix = f"from {node.module} " if isinstance(node, ast.ImportFrom) else ""
+            out += [f"{prefix}import {a.name} as {a.asname or a.name}" for a in node.names]
+        else:
+            out.append(ast.dump(node, annotate_fields=False, include_attributes=False))
+    return out
 
 
 def code_digest(modules: Iterable[str]) -> str:
@@ -114,7 +121,7 @@ def code_digest(modules: Iterable[str]) -> str:
     same digest."""
     every = [d for m in set(modules) for d in definitions(m)]
     # External imports count once: a module that a definition moves into imports torch again, say.
-    imports = {d for d in every if d.startswith(("Import(", "ImportFrom("))}
+    imports = {d for d in every if d.startswith(("import ", "from "))}
     h = hashlib.sha256()
     for d in sorted(imports) + sorted(d for d in every if d not in imports):
         h.update(d.encode() + b"\0")

@@ -60,20 +60,21 @@ def test_docstrings_comments_and_formatting_do_not_change_a_digest_but_code_does
 
 
 def test_moving_a_definition_to_another_module_of_the_path_keeps_the_digest(package: Path) -> None:
-    """What a refactoring does: ``train_step`` moves from train.py to a new module that train.py imports, and a lazy
-    import changes its spelling. The training path holds the same definitions, so no run retrains."""
+    """What a refactoring does: ``evaluate`` moves from train.py to a new module that train.py imports, with the
+    imports it needs. The training path holds the same definitions, so no run retrains."""
     wrn = runs.code_digest(TRAIN_CODE)
     text = (package / "train.py").read_text()
-    start = text.index("def train_step(")
+    start = text.index("@torch.no_grad()\ndef evaluate(")
     end = text.index("\n\n\n", start) + 3
-    (package / "step.py").write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
-                                     "from lowmem import microbatch, precision\n\n\n" + text[start:end])
-    (package / "train.py").write_text(text[:start] + text[end:] + "\nfrom lowmem.step import train_step  # moved\n")
+    (package / "evaluation.py").write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
+                                           "from torch.utils.data import DataLoader\n\nfrom lowmem import precision\n\n\n"
+                                           + text[start:end])
+    (package / "train.py").write_text(text[:start] + text[end:] + "\nfrom lowmem.evaluation import evaluate  # moved\n")
     moved = runs.closure("lowmem.train")
-    assert "lowmem.step" in moved and "lowmem.step" not in TRAIN_CODE
+    assert "lowmem.evaluation" in moved and "lowmem.evaluation" not in TRAIN_CODE
     assert runs.code_digest([m for m in moved if m != "lowmem.config"]) == wrn
     # A definition the path no longer holds is a change.
-    assert runs.code_digest([m for m in moved if m not in ("lowmem.config", "lowmem.step")]) != wrn
+    assert runs.code_digest([m for m in moved if m not in ("lowmem.config", "lowmem.evaluation")]) != wrn
 
 
 def test_a_change_to_the_plugins_forward_changes_only_the_runs_through_the_plugin(package: Path, tmp_path: Path) -> None:
