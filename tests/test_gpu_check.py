@@ -1,0 +1,70 @@
+"""lowmem.gpu_check: its dry mode here (the same code paths, tiny, on the CPU); the CUDA assertions where a GPU is."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowmem import gpu_check
+
+ROOT = Path(__file__).parents[1]
+DEBIAN = Path("/usr/share/datasets/fashion-mnist")
+FILES = {"gpu_check.json", "gpu_check.log", "gpu_check_memory.csv", "gpu_check_memory.md", "gpu_check_memory.png",
+         "gpu_check_training.csv", "gpu_check_training.md"}
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("gpu")
+    assert gpu_check.main(["--out", str(out), "--dry", "--data", str(DEBIAN)]) == 0
+    return out, json.loads((out / "gpu_check.json").read_text())
+
+
+def test_the_dry_run_writes_its_files_flat_and_says_it_is_not_a_gpu_result(dry: tuple[Path, dict]) -> None:
+    out, result = dry
+    assert {p.name for p in out.iterdir()} == FILES  # at most 8, no subfolders: what the device tool brings back
+    assert result["dry"] is True and "DRY RUN" in (out / "gpu_check_memory.md").read_text()
+    assert "fairseq" in result["dynamicconv"]  # says why DynamicConv is not checked
+
+
+def test_every_code_path_ran_and_the_accountant_with_cpu_workspace_meets_the_cpu_peak(dry: tuple[Path, dict]) -> None:
+    _, result = dry
+    rows = result["memory"]
+    assert not [r for r in rows if "error" in r]
+    kinds = {(r["role"], r["precision"].split("-")[0]) for r in rows}
+    assert {("baseline", "fp32"), ("precision", "mixed"), ("precision", "half"), ("microbatching", "fp32"),
+            ("checkpointing", "fp32"), ("sparsity", "fp32")} <= kinds
+    headline = json.loads((ROOT / "metrics/combinations.json").read_text())["wrn"]["best_within"]["0.4"]["config"]
+    assert rows[-1]["role"].startswith("headline") and rows[-1]["configuration"] == headline
+    for r in rows:
+        # The accountant alone misses op workspace on the CPU; with it, it meets the profiler's peak.
+        assert r["accounted_mib"] < r["measured_mib"], r
+        assert abs(r["gap_with_workspace_pct"]) < 1.0, r
+
+
+@pytest.mark.skipif(not DEBIAN.exists(), reason="Debian's dataset-fashion-mnist is not installed (make setup installs it)")
+def test_each_mode_trains_from_the_idx_files(dry: tuple[Path, dict]) -> None:
+    _, result = dry
+    assert [r["mode"] for r in result["training"]] == ["fp32", "mixed-bf16", "half-bf16"]
+    assert all(r["epoch"] == r["epochs_planned"] == 1 for r in result["training"])
+
+
+def test_missing_data_skips_training_with_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="copy Debian's"):
+        gpu_check.fashion_mnist(tmp_path, torch.device("cpu"))
+
+
+def test_idx_files_read_as_numpy_match_their_header(tmp_path: Path) -> None:
+    images = (torch.arange(2 * 3 * 4) % 256).to(torch.uint8).reshape(2, 3, 4).numpy()
+    header = bytes([0, 0, 8, 3]) + b"".join(n.to_bytes(4, "big") for n in images.shape)
+    (tmp_path / "x").write_bytes(header + images.tobytes())
+    assert (gpu_check._idx(tmp_path, "x") == images).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_accountant_with_the_workspace_model_is_within_two_percent() -> None:
+    c = gpu_check.load_check(dry=False)
+    row = gpu_check.memory_row(c, "baseline", "baseline", gpu_check.Techniques(), gpu_check._Real(gpu_check.CUDAWorkspace()))
+    assert abs(row["gap_with_workspace_pct"]) < 2.0, row
