@@ -326,18 +326,16 @@ def figure(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     ys = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(9, 0.42 * len(rows) + 1.6))
     h = 0.27
-    ax.barh(ys - h, [r["measured_mib"] for r in rows], h, label="measured (torch.cuda.max_memory_allocated)" if "cuda" in rows[0]["method"] else f"measured ({rows[0]['method']})")
+    ax.barh(ys - h, [r["measured_mib"] for r in rows], h, label=f"measured: {rows[0]['method']}")
     ax.barh(ys, [r["accounted_mib"] for r in rows], h, label="accounted (meta device)")
     ax.barh(ys + h, [r["accounted_with_workspace_mib"] for r in rows], h, label="accounted + workspace model")
     top = max(max(r["measured_mib"], r["accounted_with_workspace_mib"], r["accounted_mib"]) for r in rows)
     for y, r in zip(ys, rows):
         ax.text(top * 1.02, y, f"{r['gap_pct']:+.1f}% / {r['gap_with_workspace_pct']:+.1f}%", va="center", fontsize=8)
-    ax.set(yticks=ys, yticklabels=names, xlim=(0, top * 1.3), xlabel="MiB at the step's peak",
-           title=title)
+    ax.set(yticks=ys, yticklabels=names, xlim=(0, top * 1.3), title=title,
+           xlabel="MiB at the step's peak. Right of the bars: the accountant's gap to the measured peak, without / with the workspace model")
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=8)
-    fig.text(0.5, -0.02, "Right: gap of the accountant against the measured peak, without / with the workspace model.",
-             ha="center", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.42 * len(rows) + 1.6)), fontsize=8, ncol=3, frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
@@ -395,11 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"memory {name}: measured {row['measured_mib']:.1f} MiB, accounted {row['accounted_mib']:.1f} ({row['gap_pct']:+.2f}%), "
             f"with workspace {row['accounted_with_workspace_mib']:.1f} ({row['gap_with_workspace_pct']:+.2f}%)")
         write()
+        # Redrawn after every configuration, like the tables, so that a timeout still leaves the figure.
+        figure([r for r in result["memory"] if "error" not in r], args.out / "gpu_check_memory.png",
+               f"Accounted against measured: {c.shape.model}, batch {c.shape.batch_size}, {where}")
         if c.device.type == "cuda":
             torch.cuda.empty_cache()
-    ok = [r for r in result["memory"] if "error" not in r]
-    if ok:
-        figure(ok, args.out / "gpu_check_memory.png", f"Accounted against measured: {c.shape.model}, batch {c.shape.batch_size}, {where}")
     log(result["dynamicconv"])
 
     left = args.budget_s - (time.monotonic() - start) - 15

@@ -3,9 +3,12 @@
     python -m lowmem.stage_times [--all] [--out figures/stage_times] [-- dvc repro ARGS...]
 
 ``--all`` (``make repro-all``) also runs the stages that dvc.yaml marks ``frozen: true``, the ones left out of the
-default pipeline to keep it within an hour: DVC never runs a frozen stage and cannot unfreeze a matrix stage
-(``dvc unfreeze`` refuses parametrized stages), so dvc.yaml is rewritten without the marks for the run and put back
-afterwards, whatever happens.
+default pipeline to keep it within an hour. DVC never runs a frozen stage and cannot unfreeze a matrix stage
+(``dvc unfreeze`` refuses parametrized stages), so dvc.yaml is rewritten without the marks for that part of the run
+and put back afterwards, whatever happens. And each ``dvc repro`` writes a frozen stage into dvc.lock as its deps
+stand, so the lock calls a frozen stage up to date whatever made its outputs: ``--all`` therefore forces the left-out
+stages (``dvc repro --force --single-item``), after the default pipeline and before what reads them. A forced stage
+takes every run it needs from the run store, so it retrains only what the store lacks.
 
 DVC prints ``Running stage 'NAME':`` as it starts each stage; a stage's time is from that line to the next stage's
 (or the end), so it includes DVC's own hashing and caching of the stage's outputs. The table keeps the latest time
@@ -35,7 +38,12 @@ FROZEN = re.compile(r"^    frozen: true\b.*\n", re.MULTILINE)
 def left_out(dvc_yaml: Path = Path("dvc.yaml")) -> list[str]:
     """The stages ``make repro`` leaves out: those dvc.yaml marks ``frozen: true``."""
     stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
-    return sorted(n for n, s in stages.items() if s.get("frozen"))
+    return [n for n, s in stages.items() if s.get("frozen")]  # in dvc.yaml's order, upstream first
+
+
+def repro_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[list[list[str]], list[list[str]]]:
+    """``make repro-all`` as (commands run as dvc.yaml stands, commands run with the frozen marks removed)."""
+    return [["dvc", "repro"]], [["dvc", "repro", "--force", "--single-item", *left_out(dvc_yaml)], ["dvc", "repro"]]
 
 
 def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
@@ -47,6 +55,18 @@ def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, li
         return timed(cmd)
     finally:
         dvc_yaml.write_text(text)
+
+
+def timed_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
+    """Runs ``repro_all``'s commands in turn, stopping at the first that fails."""
+    plain, thawed = repro_all(dvc_yaml)
+    times: list[tuple[str, float]] = []
+    for cmd, run in [*((c, timed) for c in plain), *((c, lambda c: unfrozen(c, dvc_yaml)) for c in thawed)]:
+        rc, t = run(cmd)
+        times += t
+        if rc != 0:
+            return rc, times
+    return 0, times
 
 
 def timed(cmd: list[str]) -> tuple[int, list[tuple[str, float]]]:
@@ -85,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     profile = yaml.safe_load(args.params.read_text())["base"]["profile"]
     t0 = time.monotonic()
-    rc, times = unfrozen(cmd) if args.all else timed(cmd)
+    if args.all and "--" in argv:
+        ap.error("--all runs its own commands (the default pipeline, then the left-out stages forced); give no -- CMD")
+    rc, times = timed_all() if args.all else timed(cmd)
+    cmd = ["make", "repro-all"] if args.all else cmd
     if times:
         table = update(args.out, times, profile, rc == 0)
         total = sum(t for _, t in times)

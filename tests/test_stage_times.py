@@ -39,6 +39,9 @@ def test_repro_all_runs_without_the_frozen_marks_and_puts_dvc_yaml_back(tmp_path
     dvc_yaml = tmp_path / "dvc.yaml"
     dvc_yaml.write_text(DVC_YAML)
     assert stage_times.left_out(dvc_yaml) == ["m"]
+    # The default pipeline first; then the left-out stages forced (dvc.lock calls a frozen stage up to date whatever
+    # made its outputs), and what reads them.
+    assert stage_times.repro_all(dvc_yaml) == ([["dvc", "repro"]], [["dvc", "repro", "--force", "--single-item", "m"], ["dvc", "repro"]])
     seen = tmp_path / "seen"
     cmd = [sys.executable, "-c", f"import pathlib, sys; pathlib.Path({str(seen)!r}).write_text(pathlib.Path({str(dvc_yaml)!r}).read_text()); sys.exit(3)"]
     rc, _ = stage_times.unfrozen(cmd, dvc_yaml)
