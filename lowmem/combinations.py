@@ -31,11 +31,10 @@ from typing import Any
 import pandas as pd
 import torch
 import yaml
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
-from lowmem import checkpoint, microbatch, precision, runs, sparsity, translation
-from lowmem.accounting import CATEGORIES, MIB, account_step, dense
+from lowmem import precision, runs, translation, wrn_memory
+from lowmem.accounting import CATEGORIES, MIB
 from lowmem.config import PROFILES, BaselineParams, ParamError, resolve as resolve_wrn, resolve_device
 from lowmem.data import load
 from lowmem.models import build_model
@@ -198,36 +197,11 @@ def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: in
 
 
 def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: bool = True) -> dict[str, Any]:
-    """The accounted peak of one full-size step (``p.wrn``: WRN-28-2 at B = 128) under ``cfg``, by category.
-
-    A step of k microbatches repeats microbatch 2's memory in microbatches 3 .. k-1: each starts from the same live
-    tensors (weights, gradients, optimizer state, the whole batch) and runs the same ops on the same shapes. So the
-    accountant follows microbatches 1, 2 and the last one (a step on the first 3b examples of the same batch
-    storage) and skips the repeats, which keeps a microbatch of 1 at seconds instead of a minute; the tests check
-    that this gives the same bytes in every category as following all k.
-    """
+    """The accounted peak of one full-size step (``p.wrn``: WRN-28-2 at B = 128) under ``cfg``, by category
+    (``lowmem.wrn_memory``, which follows microbatches 1, 2 and the last one unless ``skip_repeats`` is off)."""
     w = p.wrn
-    tech = wrn_techniques(p, cfg)
-    prec = precision.parse(tech.precision)
-    B, b = w["batch_size"], tech.microbatch
-    # Meta tensors, or fake CPU tensors where autocast needs a device type (mixed modes; see precision.shapes_only).
-    # The sparse pattern is laid out on meta first: a fake tensor cannot pick positions (data-dependent shapes).
-    mixed = prec.kind == "mixed"
-    model = wrn_model(w["model"], w["num_classes"], w["in_channels"], dataclasses.replace(tech, checkpoint="none"),
-                       torch.device("meta"), p.seed, (b or B, w["in_channels"], w["image_size"], w["image_size"]))
-    ctx = FakeTensorMode(allow_non_fake_inputs=True) if mixed else torch.device("meta")
-    device = torch.device("cpu") if mixed else torch.device("meta")
-    with ctx:
-        if mixed:
-            model.to_empty(device=device)
-        checkpoint.apply(model, tech.checkpoint, (b or B, w["in_channels"], w["image_size"], w["image_size"]))
-        x = precision.cast_batch(torch.empty(B, w["in_channels"], w["image_size"], w["image_size"], device=device), prec)
-        y = torch.zeros(B, dtype=torch.long, device=device)
-        opt = make_optimizer(model)
-        scaler = precision.make_scaler(prec, device.type, sync=False)
-        n = 3 * b if skip_repeats and b and B // b > 3 and B % b == 0 else B
-        fmt = sparsity.CSRFormat(model, 2 if tech.sparse_format == "csr16" else 4) if tech.sparsity else dense
-        r = account_step(lambda mark: train_step(model, opt, x[:n], y[:n], tech, mark, scaler), model, opt, (x, y), fmt=fmt)
+    shape = wrn_memory.Shape(w["model"], w["batch_size"], w["num_classes"], w["in_channels"], w["image_size"])
+    r = wrn_memory.account(wrn_techniques(p, cfg), shape, p.seed, skip_repeats)
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB, "peak_phase": r.peak_phase}
 
 
