@@ -2,6 +2,11 @@
 that use it, and which stage trained it.
 
     python -m lowmem.run_index --results data/results --metrics metrics --out metrics/runs.json
+    python -m lowmem.run_index --planned data/params     # the keys the WRN stages would use now, untrained
+
+``--planned`` prints, without training, the key of every run the WRN training stages plan at the resolved
+parameters in that folder, and the code digest of the fairseq plugin (the code part of every DynamicConv run's key):
+what shows that moving code between modules keeps every key.
 
 It reads what the training stages recorded (each run's key and whether that stage trained it) and each run's
 ``key.json`` in the run store. A key that two stages report as trained fails the stage: the store exists so that
@@ -11,6 +16,7 @@ this never happens.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,12 +82,31 @@ def index(results: Path, metrics: Path) -> dict[str, Any]:
             "uses": sum(len(r["stages"]) for r in rows), "runs": rows}
 
 
+def planned(params: Path) -> dict[str, Any]:
+    """The keys the WRN training stages plan at ``params`` (resolved stage YAMLs), and the plugin's code digest."""
+    import yaml  # only this listing reads the stage YAMLs
+
+    from lowmem import train_stage, translation
+    from lowmem.config import STAGES
+
+    out: dict[str, Any] = {}
+    for stage in train_stage.PLANS:
+        p = STAGES[stage](**yaml.safe_load((params / f"{stage}.yaml").read_text()))
+        out[f"{stage}_train"] = train_stage.keys(stage, p)
+    out["fairseq_plugin_code_digest"] = runs.code_digest(translation.PLUGIN_CODE)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=Path("data/results"))
     ap.add_argument("--metrics", type=Path, default=Path("metrics"))
     ap.add_argument("--out", type=Path, default=Path("metrics/runs.json"))
+    ap.add_argument("--planned", type=Path, metavar="PARAMS_DIR", help="print the planned keys (see above) and exit")
     args = ap.parse_args(argv)
+    if args.planned:
+        print(json.dumps(planned(args.planned), indent=1))
+        return 0
     out = index(args.results, args.metrics)
     runs.write_json(args.out, out)
     print(f"{out['distinct_runs']} distinct runs, used {out['uses']} times; {out['trained_by_the_latest_stage_runs']} trained by the latest run of their stage")

@@ -111,9 +111,13 @@ def run_fields(p: TranslationTrainParams, data_dir: Path = DATA) -> dict[str, An
     return {"args": kept, "data": data_digest(data_dir / "bin"), "fairseq": importlib.metadata.version("fairseq-fixed")}
 
 
+# The code on a plugin run's training path, for its key.
+PLUGIN_CODE = runs.closure("lowmem.fairseq_plugin")
+
+
 def store_run(p: TranslationTrainParams, data_dir: Path = DATA) -> runs.Run:
     plugin = "--user-dir" in map(str, p.scale_args)
-    return runs.Run("fairseq", run_fields(p, data_dir), runs.closure("lowmem.fairseq_plugin") if plugin else [])
+    return runs.Run("fairseq", run_fields(p, data_dir), PLUGIN_CODE if plugin else [])
 
 
 def shell(name: str, args: list[str]) -> str:
