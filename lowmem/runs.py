@@ -23,6 +23,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -101,10 +102,24 @@ class _DropInternalImports(ast.NodeTransformer):
         return super().generic_visit(node)
 
 
+# A dotted lowmem module path written in a string (a message naming a module, a closure's root): where code lives,
+# not what it computes.
+_MODULE_PATH = re.compile(r"\blowmem(\.[A-Za-z_]\w*)+")
+
+
+class _NormalizeModulePaths(ast.NodeTransformer):
+    def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        if isinstance(node.value, str):
+            node.value = _MODULE_PATH.sub("lowmem.<module>", node.value)
+        return node
+
+
 def definitions(module: str) -> list[str]:
     """The module's top-level statements as normalized ASTs, one string each: docstrings and ``lowmem`` imports
-    removed (lazy ones too), so comments, formatting and the module a definition lives in are gone."""
-    tree = _DropInternalImports().visit(_strip_docstrings(ast.parse(_module_file(module).read_text())))
+    removed (lazy ones too), and lowmem module paths in strings blanked, so comments, formatting and the module a
+    definition lives in are gone."""
+    tree = ast.parse(_module_file(module).read_text())
+    tree = _NormalizeModulePaths().visit(_DropInternalImports().visit(_strip_docstrings(tree)))
     out = []
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):  # one entry per imported name: `from x import a, b` = a; b
