@@ -14,13 +14,13 @@ $(VENV)/.installed: requirements.txt requirements-2.txt constraints.txt pyprojec
 	bash scripts/setup.sh
 	touch $@
 
-# dvc repro, with each stage's wall time written to figures/stage_times.{csv,md} (lowmem/stage_times.py).
+# dvc repro, with each stage's wall time written to figures/stage_times.{csv,md} (lowmem/pipeline/stage_times.py).
 repro: setup
-	python -m lowmem.stage_times
+	python -m lowmem.pipeline.stage_times
 
 # The same, plus the stages left out of the default for time (frozen in dvc.yaml; README, "Left out of the default").
 repro-all: setup
-	python -m lowmem.stage_times --all
+	python -m lowmem.pipeline.stage_times --all
 
 test: setup
 	python -m pytest

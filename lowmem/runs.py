@@ -7,7 +7,7 @@ docstrings and formatting never retrain anything, nor does moving a function or 
 to another (what a refactoring does), and a module off the path (another study, the accountant's storage formats)
 never does either. What a run leaves out of
 its key (output paths, the profile's name, device, worker counts, the other seeds of a list, accounting-only fields)
-is the caller's to drop; ``lowmem.train.run_fields`` and ``lowmem.translation.run_fields`` do.
+is the caller's to drop; ``lowmem.wrn.train.run_fields`` and ``lowmem.dynamicconv.translation.run_fields`` do.
 
 A stage that needs a run asks for its key: a finished run (``result.json`` present) is read, never retrained; an
 interrupted one resumes from its last checkpoint. ``ledger.jsonl`` in the store logs each run's trained/reused

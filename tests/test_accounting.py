@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.accounting import CATEGORIES, StorageRecord, account_step, profile_step, standard_step
-from lowmem.config import MemoryProfileParams
-from lowmem.measure import measure_step
-from lowmem.memory_study import account, measure
-from lowmem.models import build_model
+from lowmem.memory.accounting import CATEGORIES, StorageRecord, account_step, profile_step, standard_step
+from lowmem.memory.measure import measure_step
+from lowmem.studies.memory_profile import account, measure
+from lowmem.studies.params import MemoryProfileParams
+from lowmem.wrn.models import build_model
 
 F32 = 4
 
@@ -150,8 +150,8 @@ def test_measured_peak_of_a_linear_step_is_exact() -> None:
 
 
 def test_cpu_workspace_closes_the_gap_to_the_measurement_under_checkpointing() -> None:
-    from lowmem import checkpoint
-    from lowmem.measure import CPUWorkspace
+    from lowmem.memory.measure import CPUWorkspace
+    from lowmem.techniques import checkpoint
 
     torch.manual_seed(0)
     m = build_model("wrn-16-2")
@@ -168,7 +168,7 @@ def test_cpu_workspace_closes_the_gap_to_the_measurement_under_checkpointing() -
 
 
 def test_cpu_workspace_calibration_leaves_the_rng_alone() -> None:
-    from lowmem.measure import CPUWorkspace
+    from lowmem.memory.measure import CPUWorkspace
 
     ws = CPUWorkspace()
     torch.manual_seed(3)

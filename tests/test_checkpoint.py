@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem import checkpoint
-from lowmem.accounting import profile_step
-from lowmem.checkpoint import BlockCost
-from lowmem.models import build_model
-from lowmem.train import Techniques, train_step
+from lowmem.memory.accounting import profile_step
+from lowmem.techniques import checkpoint
+from lowmem.techniques.checkpoint import BlockCost
+from lowmem.wrn.models import build_model
+from lowmem.wrn.train import Techniques, train_step
 
 SPECS = ["block", "every-2", "every-3", "sqrt", "selective", "optimal-0.3", "optimal-0"]
 
@@ -47,9 +47,9 @@ def test_wrn_gradients_and_bn_statistics_equal_the_unmodified_step(spec: str) ->
 @pytest.mark.parametrize("level", [0.0, 0.9])
 @pytest.mark.parametrize("spec", ["block", "sqrt"])
 def test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers(spec: str, level: float, prec: str) -> None:
-    """What lets a run's key leave the checkpoint strategy out (lowmem.train.run_techniques): three optimizer steps
+    """What lets a run's key leave the checkpoint strategy out (lowmem.wrn.train.run_techniques): three optimizer steps
     with and without checkpointing give the same weights, bit for bit."""
-    from lowmem import precision, sparsity
+    from lowmem.techniques import precision, sparsity
 
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     finals = []

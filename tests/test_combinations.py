@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from lowmem import combinations, frontier
 from lowmem.config import ParamError
+from lowmem.studies import combinations, frontier
 
 ROOT = Path(__file__).parents[1]
 
@@ -81,7 +81,7 @@ def test_readme_shows_the_headline_table_the_report_wrote() -> None:
 def small(task: str = "wrn", **kw: object) -> combinations.CombinationsParams:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["base"]["profile"] = "smoke"
-    p = combinations.resolve(task, params)
+    p = combinations.resolve_task(task, params)
     for k, v in kw.items():
         setattr(p, k, v)
     return p
@@ -139,7 +139,7 @@ def test_every_profile_chooses_as_many_combinations_as_the_matrix_has_slots() ->
     for task in combinations.TASKS:
         slots = dvc[f"combination_{task}"]["matrix"]["slot"]
         for profile in ("smoke", "cpu", "paper"):
-            p = combinations.resolve(task, {**params, "base": {**params["base"], "profile": profile}})
+            p = combinations.resolve_task(task, {**params, "base": {**params["base"], "profile": profile}})
             assert slots == list(range(p.slots))
             assert 1 + len(p.singles) + len(p.levels) - len(p.trained_elsewhere) == p.slots
         committed = json.loads((ROOT / f"data/combinations/{task}_selected.json").read_text())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowmem import data
+from lowmem.wrn import data
 
 
 def test_synthetic_cifar_is_read_by_torchvisions_cifar10_parser(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""lowmem.gpu_check: its dry mode here (the same code paths, tiny, on the CPU); the CUDA assertions where a GPU is."""
+"""lowmem.studies.gpu_check: its dry mode here (the same code paths, tiny, on the CPU); the CUDA assertions where a GPU is."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowmem import gpu_check
+from lowmem.studies import gpu_check
 
 ROOT = Path(__file__).parents[1]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from lowmem.accounting import account_step
-from lowmem.microbatch import BatchRenorm2d, convert_norm, microbatches
-from lowmem.models import build_model
-from lowmem.train import Techniques, train_step
+from lowmem.memory.accounting import account_step
+from lowmem.techniques.microbatch import BatchRenorm2d, convert_norm, microbatches
+from lowmem.wrn.models import build_model
+from lowmem.wrn.train import Techniques, train_step
 
 
 @pytest.mark.parametrize("size", [1, 3, 4, 7, 12, 0])

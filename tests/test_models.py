@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowmem.models import build_model, parse_model_name
+from lowmem.wrn.models import build_model, parse_model_name
 
 
 def wrn_params_from_first_principles(depth: int, k: int, in_ch: int, classes: int) -> int:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem import runs, stage_times
+from lowmem import runs
+from lowmem.pipeline import stage_times
 
 ROOT = Path(__file__).parents[1]
 TRAINING = ["baseline_train", "precision_train", "sparsity_train", "microbatching_train", "translation_train"]
@@ -50,7 +51,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     before = len(trained_events())
     first = run(["dvc", "repro", *TRAINING], dst)
     assert first.returncode == 0, first.stdout[-5000:] + first.stderr[-5000:]
-    index = run([sys.executable, "-m", "lowmem.run_index"], dst)
+    index = run([sys.executable, "-m", "lowmem.pipeline.run_index"], dst)
     assert index.returncode == 0, index.stderr
     (dst / "trained_here.json").write_text(json.dumps(trained_events()[before:]))
     for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "smoke"]):
@@ -101,8 +102,8 @@ def test_a_docstring_edit_retrains_nothing_and_one_changed_parameter_only_the_ru
     """One `dvc exp run` for both (each DVC run of the copy costs tens of seconds): docstrings edited in the WRN
     trainer and the translation corpus, and one new static sparsity level."""
     before = trained_events()
-    _edit(repo / "lowmem/train.py", '"""Training WRN on an image dataset', '"""Training a WRN on an image dataset')
-    _edit(repo / "lowmem/corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
+    _edit(repo / "lowmem/wrn/train.py", '"""Training WRN on an image dataset', '"""Training a WRN on an image dataset')
+    _edit(repo / "lowmem/dynamicconv/corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
     r = run(["dvc", "exp", "run", "-S", "sparsity.static_levels.smoke=[0.5,0.9]", "baseline_train", "sparsity_train",
              "translation_train"], repo)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

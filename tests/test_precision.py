@@ -5,11 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem import precision
-from lowmem.accounting import account_step
-from lowmem.models import build_model
-from lowmem.recipe import make_optimizer
-from lowmem.train import Techniques, train_step
+from lowmem.memory.accounting import account_step
+from lowmem.techniques import precision
+from lowmem.wrn.models import build_model
+from lowmem.wrn.recipe import make_optimizer
+from lowmem.wrn.train import Techniques, train_step
 
 N, D, H, C = 6, 8, 16, 4  # batch, input, hidden, classes of the small MLP
 

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem import runs, translation
-from lowmem.config import BaselineParams
-from lowmem.train import TRAIN_CODE, Techniques, run_fields, store_run
-from lowmem.translation_config import TranslationTrainParams
+from lowmem import runs
+from lowmem.dynamicconv import translation
+from lowmem.dynamicconv.params import TranslationTrainParams
+from lowmem.wrn.params import BaselineParams
+from lowmem.wrn.train import TRAIN_CODE, Techniques, run_fields, store_run
 
 ROOT = Path(__file__).parents[1]
 
@@ -48,14 +49,14 @@ def test_docstrings_comments_and_formatting_do_not_change_a_digest_but_code_does
     wrn = runs.code_digest(TRAIN_CODE)
     plugin = ["--user-dir", "/somewhere/lowmem_fairseq", "--sparsity", "0.9"]
     fairseq = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []))
-    _edit(package / "train.py", '"""Training WRN on an image dataset', '"""Training a WRN (edited docstring) on an image dataset')
-    _edit(package / "train.py", "def evaluate(\n", "# a new comment\n\n\ndef evaluate(\n")
-    _edit(package / "train.py", "    model.eval()\n", "    model.eval()   # reformatted\n")
-    _edit(package / "corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
-    _edit(package / "sparse_linear.py", "    def forward(self, x", "    # a comment in the plugin's path\n    def forward(self, x")
+    _edit(package / "wrn" / "train.py", '"""Training WRN on an image dataset', '"""Training a WRN (edited docstring) on an image dataset')
+    _edit(package / "wrn" / "train.py", "def evaluate(\n", "# a new comment\n\n\ndef evaluate(\n")
+    _edit(package / "wrn" / "train.py", "    model.eval()\n", "    model.eval()   # reformatted\n")
+    _edit(package / "dynamicconv" / "corpus.py", '"""German→English parallel text', '"""German→English parallel text (edited)')
+    _edit(package / "techniques" / "sparse_linear.py", "    def forward(self, x", "    # a comment in the plugin's path\n    def forward(self, x")
     assert runs.code_digest(TRAIN_CODE) == wrn
     assert (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, [])) == fairseq
-    _edit(package / "train.py", "return correct / n, loss_sum / n", "return correct / max(n, 1), loss_sum / n")
+    _edit(package / "wrn" / "train.py", "return correct / n, loss_sum / n", "return correct / max(n, 1), loss_sum / n")
     assert runs.code_digest(TRAIN_CODE) != wrn
 
 
@@ -63,24 +64,38 @@ def test_moving_a_definition_to_another_module_of_the_path_keeps_the_digest(pack
     """What a refactoring does: ``evaluate`` moves from train.py to a new module that train.py imports, with the
     imports it needs. The training path holds the same definitions, so no run retrains."""
     wrn = runs.code_digest(TRAIN_CODE)
-    text = (package / "train.py").read_text()
+    text = (package / "wrn" / "train.py").read_text()
     start = text.index("@torch.no_grad()\ndef evaluate(")
     end = text.index("\n\n\n", start) + 3
-    (package / "evaluation.py").write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
+    (package / "wrn" / "evaluation.py").write_text("import torch\nimport torch.nn.functional as F\nfrom torch import nn\n"
                                            "from torch.utils.data import DataLoader\n\nfrom lowmem import precision\n\n\n"
                                            + text[start:end])
-    (package / "train.py").write_text(text[:start] + text[end:] + "\nfrom lowmem.evaluation import evaluate  # moved\n")
-    moved = runs.closure("lowmem.train")
-    assert "lowmem.evaluation" in moved and "lowmem.evaluation" not in TRAIN_CODE
+    (package / "wrn" / "train.py").write_text(text[:start] + text[end:] + "\nfrom lowmem.wrn.evaluation import evaluate  # moved\n")
+    moved = runs.closure("lowmem.wrn.train")
+    assert "lowmem.wrn.evaluation" in moved and "lowmem.wrn.evaluation" not in TRAIN_CODE
     assert runs.code_digest([m for m in moved if m != "lowmem.config"]) == wrn
     # A definition the path no longer holds is a change.
-    assert runs.code_digest([m for m in moved if m not in ("lowmem.config", "lowmem.evaluation")]) != wrn
+    assert runs.code_digest([m for m in moved if m not in ("lowmem.config", "lowmem.wrn.evaluation")]) != wrn
+
+
+def test_moving_a_module_to_another_subpackage_keeps_every_key(package: Path, tmp_path: Path) -> None:
+    """A pure move: the recipe goes from the WRN track to the techniques, every import of it and every string that
+    names it rewritten (as a move does), and the path's digest is the same."""
+    wrn = runs.code_digest(TRAIN_CODE)
+    (package / "wrn" / "recipe.py").rename(package / "techniques" / "recipe.py")
+    for f in package.rglob("*.py"):
+        text = f.read_text()
+        if "lowmem.wrn.recipe" in text:
+            f.write_text(text.replace("lowmem.wrn.recipe", "lowmem.techniques.recipe"))
+    moved = runs.closure("lowmem.wrn.train")
+    assert "lowmem.techniques.recipe" in moved and "lowmem.wrn.recipe" not in moved
+    assert runs.code_digest([m for m in moved if m != "lowmem.config"]) == wrn
 
 
 def test_a_change_to_the_plugins_forward_changes_only_the_runs_through_the_plugin(package: Path, tmp_path: Path) -> None:
     plugin = ["--user-dir", "/somewhere/lowmem_fairseq", "--sparsity", "0.9"]
     before = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []), runs.code_digest(TRAIN_CODE))
-    _edit(package / "sparse_linear.py", "return y if self.bias is None else y + self.bias", "return y + self.bias if self.bias is not None else y")
+    _edit(package / "techniques" / "sparse_linear.py", "return y if self.bias is None else y + self.bias", "return y + self.bias if self.bias is not None else y")
     after = (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, []), runs.code_digest(TRAIN_CODE))
     assert after[0] != before[0]  # the plugin's runs are trained again
     assert after[1:] == before[1:]  # plain fairseq runs and every WRN run keep their keys
@@ -113,9 +128,9 @@ def test_a_wrn_key_leaves_out_what_does_not_change_the_run() -> None:
 
 
 def test_the_training_path_holds_the_trainer_and_techniques_but_no_study_or_other_track() -> None:
-    assert {"lowmem.train", "lowmem.sparsity", "lowmem.precision", "lowmem.microbatch", "lowmem.checkpoint",
-            "lowmem.models", "lowmem.data", "lowmem.recipe"} <= set(TRAIN_CODE)
-    assert not {m for m in TRAIN_CODE if m.endswith("_study") or "translation" in m or m in ("lowmem.corpus", "lowmem.config")}
+    assert {"lowmem.wrn.train", "lowmem.techniques.sparsity", "lowmem.techniques.precision", "lowmem.techniques.microbatch", "lowmem.techniques.checkpoint",
+            "lowmem.wrn.models", "lowmem.wrn.data", "lowmem.wrn.recipe"} <= set(TRAIN_CODE)
+    assert not {m for m in TRAIN_CODE if m.endswith("_study") or "translation" in m or m in ("lowmem.dynamicconv.corpus", "lowmem.config")}
 
 
 def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path) -> None:
@@ -126,7 +141,7 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path
     params = tmp_path / "baseline.yaml"
     params.write_text(yaml.safe_dump(resolved))
     env = {**os.environ, "LOWMEM_RUNS": str(tmp_path / "cut")}
-    cmd = [sys.executable, "-m", "lowmem.train_stage", "baseline", "--params", str(params), "--data-root", str(tmp_path / "raw")]
+    cmd = [sys.executable, "-m", "lowmem.pipeline.train_stage", "baseline", "--params", str(params), "--data-root", str(tmp_path / "raw")]
     proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cut.json")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     store = tmp_path / "cut"

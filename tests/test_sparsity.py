@@ -6,14 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train import results, tiny
 from torch import nn
 
-from lowmem import precision, sparsity
-from lowmem.accounting import account_step
-from lowmem.models import build_model
-from lowmem.train import Techniques, train, train_step
-
-from test_train import results, tiny
+from lowmem.memory.accounting import account_step
+from lowmem.techniques import precision, sparsity
+from lowmem.wrn.models import build_model
+from lowmem.wrn.train import Techniques, train, train_step
 
 
 def _pair(level: float, method: str = "dsr") -> tuple[nn.Module, nn.Module, dict[str, sparsity.SparseConv2d]]:
@@ -223,3 +222,9 @@ def test_a_dsr_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
     resumed = train(p, 0, tech, progress=False, root=tmp_path / "cut")
     assert whole[-1]["rewirings"] > 0
     assert results(resumed) == results(whole)
+
+
+def test_the_recipes_reference_count_is_wrn_28_2s_sparse_layer_weights() -> None:
+    """The techniques layer writes WRN-28-2's sparse-layer weights from its shapes (it builds no model)."""
+    with torch.device("meta"):
+        assert sparsity.RECIPE_SPARSE_WEIGHTS == sparsity.sparse_weight_count(build_model("wrn-28-2"))

@@ -1,11 +1,11 @@
-"""lowmem.stage_times: the per-stage times of `make repro`, and `make repro-all`'s temporary unfreezing."""
+"""lowmem.pipeline.stage_times: the per-stage times of `make repro`, and `make repro-all`'s temporary unfreezing."""
 
 import sys
 from pathlib import Path
 
 import pandas as pd
 
-from lowmem import stage_times
+from lowmem.pipeline import stage_times
 
 DVC_YAML = """stages:
   a:

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lowmem import runs
-from lowmem.config import BaselineParams, ParamError
-from lowmem.train import Techniques, train, train_step
+from lowmem.config import ParamError
+from lowmem.wrn.params import BaselineParams
+from lowmem.wrn.train import Techniques, train, train_step
 
 TIMING = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
 
@@ -22,8 +23,8 @@ def results(history: list[dict]) -> list[dict]:
 
 
 def test_a_few_steps_reduce_the_loss(tmp_path: Path) -> None:
-    from lowmem.data import load
-    from lowmem.models import build_model
+    from lowmem.wrn.data import load
+    from lowmem.wrn.models import build_model
 
     d = load("synthetic", tmp_path, synthetic_size=(128, 16))
     x = torch.stack([d.train[i][0] for i in range(64)])

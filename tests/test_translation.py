@@ -1,7 +1,6 @@
 """The translation track: corpus readers on files in their real on-disk formats, the preparation, fairseq's own CLI
 on a few updates, the BLEU parsing, and the accountant on a fairseq step."""
 
-import json
 import os
 import struct
 import subprocess
@@ -12,9 +11,11 @@ import pytest
 import torch
 import yaml
 
-from lowmem import corpus, runs, translation, translation_memory
+from lowmem import runs
 from lowmem.config import ParamError
-from lowmem.translation_config import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, resolve
+from lowmem.dynamicconv import corpus, translation
+from lowmem.dynamicconv import memory as translation_memory
+from lowmem.dynamicconv.params import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, resolve
 
 ROOT = Path(__file__).parents[1]
 TINY_MODEL = ["--arch", "lightconv_iwslt_de_en", "--encoder-glu", "0", "--decoder-glu", "0", "--encoder-embed-dim", "16",
@@ -110,7 +111,7 @@ def test_bad_translation_parameters_are_refused_with_the_allowed_values() -> Non
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lowmem.translation", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lowmem.dynamicconv.translation", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

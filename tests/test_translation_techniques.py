@@ -11,10 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowmem import sparse_linear, translation, translation_memory, translation_study
 from lowmem.config import ParamError
-from lowmem.fairseq_plugin import ARCH, PLUGIN_DIR, TASK
-from lowmem.translation_config import TranslationDataParams, TranslationTechniquesParams
+from lowmem.dynamicconv import memory as translation_memory
+from lowmem.dynamicconv import translation
+from lowmem.dynamicconv.params import TranslationDataParams, TranslationTechniquesParams
+from lowmem.dynamicconv.plugin import ARCH, TASK
+from lowmem.dynamicconv.translation import PLUGIN_DIR
+from lowmem.studies import translation as translation_study
+from lowmem.techniques import sparse_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_translation import TINY_MODEL  # noqa: E402
@@ -68,7 +72,7 @@ def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: 
     args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
             "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
             "--no-epoch-checkpoints", *options]
-    from lowmem import corpus
+    from lowmem.dynamicconv import corpus
 
     r = subprocess.run([*corpus.fairseq_cli("train"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -1,0 +1,230 @@
+"""The memory of one fairseq training update of DynamicConv (Sohoni et al. 2019, the translation benchmark's profile):
+the model of a fairseq-train command line, built by fairseq itself (lowmem's ``--user-dir`` plugin included), its
+label-smoothed loss, and the optimizer fairseq's Trainer would build for it (Adam; under ``--fp16`` or
+``--memory-efficient-fp16``, fairseq's 16-bit wrappers), on ``--update-freq`` batches making up ``--max-tokens``
+tokens. Sparse layers count as CSR; fp16 master weights and their gradients count with the optimizer that keeps them.
+
+It runs on the meta device at full size, in a few seconds per command line. One line of fairseq needs a value
+rather than a shape: the encoder asks whether the batch has any padding (``encoder_padding_mask.any()``).
+The accounted batches have none (every sentence is ``length`` tokens), so :class:`_Unpadded` answers that question
+on meta tensors; a test checks that meta and real CPU tensors account the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+import types
+import warnings
+from typing import Any
+
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, StepFn, StorageFormat, account_step, dense
+from lowmem.memory.measure import measure_step
+from lowmem.techniques import sparsity
+
+_root_level = logging.getLogger().level
+from fairseq import optim  # noqa: E402
+from fairseq.criterions.label_smoothed_cross_entropy import LabelSmoothedCrossEntropyCriterion  # noqa: E402
+from fairseq.data import Dictionary  # noqa: E402
+from fairseq.models import ARCH_MODEL_REGISTRY  # noqa: E402
+
+logging.getLogger().setLevel(_root_level)  # importing fairseq sets the root logger to DEBUG (environment notes)
+
+
+def _dictionary(size: int) -> Dictionary:
+    d = Dictionary()  # bos, pad, eos, unk
+    for i in range(size - len(d)):
+        d.add_symbol(f"w{i}")
+    return d
+
+
+def training_options(train_args: list[str]) -> tuple[argparse.Namespace, Any]:
+    """A fairseq-train command line's options, parsed by fairseq-train's own parser (``--user-dir`` plugins
+    included) and completed by its architecture's defaults: (args, fairseq's config)."""
+    from fairseq import options
+    from fairseq.dataclass.utils import convert_namespace_to_omegaconf
+
+    parser = options.get_training_parser()
+    args = options.parse_args_and_arch(parser, ["<data>", *map(str, train_args)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # Hydra's deprecation notices about fairseq's config schema
+        return args, convert_namespace_to_omegaconf(args)
+
+
+def model_args(train_args: list[str]) -> argparse.Namespace:
+    return training_options(train_args)[0]
+
+
+def build(train_args: list[str] | argparse.Namespace, src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
+    """(model, task-like holder of the two dictionaries) for a command line's architecture (or its parsed options)."""
+    args = train_args if isinstance(train_args, argparse.Namespace) else model_args(train_args)
+    task = types.SimpleNamespace(source_dictionary=_dictionary(src_vocab), target_dictionary=_dictionary(tgt_vocab))
+    with torch.device(device):
+        model = ARCH_MODEL_REGISTRY[args.arch].build_model(args, task)
+    return model, task
+
+
+def build_optimizer(cfg: Any, model: torch.nn.Module) -> Any:
+    """The optimizer fairseq's Trainer builds for ``cfg`` (``Trainer._build_optimizer``), after casting the model
+    as the Trainer does for --fp16."""
+    if cfg.common.amp or cfg.common.bf16:
+        raise ValueError("--amp (CUDA autocast) and --bf16 (TPU in fairseq 0.12) cannot be accounted on the meta device; "
+                         "use --fp16 or --memory-efficient-fp16")
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.common.memory_efficient_fp16:
+        return optim.MemoryEfficientFP16Optimizer.build_optimizer(cfg, params)
+    if cfg.common.fp16:
+        # Per-parameter fp32 copies instead of one flat buffer: the same bytes, and the flat buffer's constructor
+        # asks CUDA for its device, which meta tensors do not need.
+        cfg.common.fp16_no_flatten_grads = True
+        return optim.FP16Optimizer.build_optimizer(cfg, params)
+    return optim.build_optimizer(cfg.optimizer, params)
+
+
+class _OptimizerView:
+    """What ``account_step`` asks of an optimizer (``zero_grad`` and the tensors it keeps), for fairseq's wrappers.
+    FP16Optimizer keeps fp32 master weights and their gradients itself; they count as optimizer state."""
+
+    def __init__(self, fs_optimizer: Any) -> None:
+        self.fs = fs_optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.fs.zero_grad()
+
+    @property
+    def state(self) -> dict[Any, dict[str, Any]]:
+        state = {p: dict(s) for p, s in self.fs.optimizer.state.items()}
+        if isinstance(self.fs, optim.FP16Optimizer):
+            for p in self.fs.fp32_params:
+                state.setdefault(p, {}).update(master=p.data, master_grad=p.grad)
+        return state
+
+
+def fairseq_step(
+    train_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta"
+) -> tuple[StepFn, torch.nn.Module, Any, list[torch.Tensor]]:
+    """One update as fairseq-train takes it for ``train_args`` (the recipe plus any technique's options): for each
+    of ``--update-freq`` k batches, criterion forward and backward (loss-scaled under --fp16); then gradients
+    divided by the tokens, and the optimizer step. The update sees ``tokens`` tokens in k batches of
+    ``tokens // k // length`` sentence pairs of ``length`` tokens each side. Returns (step, model, optimizer view,
+    batch tensors). fairseq's gradient-norm computation (--clip-norm 0: logging only, one scalar per parameter)
+    is left out: fairseq moves those scalars to the CPU, which meta tensors cannot do."""
+    # The recipe's Adam when the command names no optimizer (a later --optimizer overrides it).
+    args, cfg = training_options(["--optimizer", "adam", *train_args])
+    k = cfg.optimization.update_freq[0]
+    batch = tokens // k // length
+    if not 0 < length <= tokens or batch < 1:
+        raise ValueError(f"{tokens} tokens in --update-freq {k} batches of sentences of length {length} leave no sentence per batch")
+    torch.manual_seed(seed)
+    model, task = build(args, src_vocab, tgt_vocab, device)  # the options parsed above, not parsed again
+    if cfg.common.fp16:
+        model = model.half()
+    model.train()
+    criterion = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
+    # fairseq's own optimizer: Adam keeps fp32 exp_avg and exp_avg_sq per parameter, even for fp16 weights. Its
+    # hyperparameters do not change the memory.
+    optimizer = build_optimizer(cfg, model)
+    nspecial = task.target_dictionary.nspecial
+    samples, inputs = [], []
+    for _ in range(k):
+        with torch.device(device):
+            src = torch.randint(nspecial, src_vocab, (batch, length))
+            tgt = torch.randint(nspecial, tgt_vocab, (batch, length))
+            src_lengths = torch.full((batch,), length)
+        prev = torch.cat([torch.full_like(tgt[:, :1], task.target_dictionary.eos()), tgt[:, :-1]], dim=1)
+        samples.append({"net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
+                        "target": tgt, "ntokens": batch * length, "nsentences": batch})
+        inputs += [src, tgt, prev, src_lengths]
+
+    def step(mark: Any) -> None:
+        optimizer.zero_grad()
+        for sample in samples:
+            mark("forward")
+            loss, _, _ = criterion(model, sample)
+            mark("backward")
+            optimizer.backward(loss)
+            del loss
+        mark("optimizer")
+        optimizer.multiply_grads(1.0 / (k * batch * length))
+        optimizer.step()
+
+    return step, model, _OptimizerView(optimizer), inputs
+
+
+def storage_format(model: torch.nn.Module) -> StorageFormat:
+    """CSR for the sparse layers (``--sparsity``), every other tensor as stored."""
+    return sparsity.CSRFormat(model) if sparsity.sparse_layers(model) else dense
+
+
+class _Unpadded(TorchDispatchMode):
+    """Answers "is any of this meta tensor true?" with False. Only valid for batches without padding."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta" and args[0].dtype == torch.bool:
+            return False
+        return func(*args, **(kwargs or {}))
+
+
+def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0) -> MemoryReport:
+    step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device)
+    with _Unpadded():
+        return account_step(step, model, opt, batch, storage_format(model))  # type: ignore[arg-type]
+
+
+def measure(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0) -> tuple[int, str]:
+    step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, "cpu")
+    return measure_step(step, model, opt, batch)  # type: ignore[arg-type]
+
+
+def parameter_count(recipe_args: list[str], src_vocab: int, tgt_vocab: int) -> int:
+    model, _ = build(recipe_args, src_vocab, tgt_vocab, "meta")
+    return sum(p.numel() for p in model.parameters())
+
+
+def breakdown(p: Any) -> pd.DataFrame:
+    """One accounted row per sentence length at ``p.max_tokens`` (meta, full size), then one row per measured
+    [tokens, length] step with the accounted peak beside the measured one. ``p``: TranslationMemoryParams."""
+    rows = []
+    for length in p.sentence_lengths:
+        t0 = time.perf_counter()
+        r = account(p.recipe_args, p.src_vocab, p.tgt_vocab, p.max_tokens, length, seed=p.seed)
+        rows.append(_row("accounted", p.max_tokens, length, r, time.perf_counter() - t0))
+    for tokens, length in p.measured:
+        r = account(p.recipe_args, p.src_vocab, p.tgt_vocab, tokens, length, seed=p.seed)
+        t0 = time.perf_counter()
+        measured, method = measure(p.recipe_args, p.src_vocab, p.tgt_vocab, tokens, length, seed=p.seed)
+        row = _row("measured", tokens, length, r, time.perf_counter() - t0)
+        row.update(measured_mib=measured / MIB, gap_pct=100 * (r.peak - measured) / measured, method=method)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _row(source: str, tokens: int, length: int, r: MemoryReport, seconds: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"source": source, "tokens": tokens, "sentence_length": length, "sentences": tokens // length}
+    row.update({f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES})
+    row.update({f"{c}_max_mib": r.category_max[c] / MIB for c in ("model", "gradients", "optimizer")})
+    row.update(total_mib=r.peak / MIB, peak_phase=r.peak_phase, seconds=seconds)
+    return row
+
+
+def summary(p: Any, df: pd.DataFrame) -> dict[str, Any]:
+    ref = df[(df.source == "accounted") & (df.sentence_length == p.reference_length)].iloc[0]
+    measured = df[df.source == "measured"]
+    return {
+        "profile": p.profile,
+        "parameters": parameter_count(p.recipe_args, p.src_vocab, p.tgt_vocab),
+        "max_tokens": p.max_tokens,
+        "reference_length": p.reference_length,
+        "at_peak_mib": {c: round(float(ref[f"{c}_mib"]), 3) for c in CATEGORIES} | {"total": round(float(ref.total_mib), 3)},
+        "activation_share": round(float(ref.activations_mib / ref.total_mib), 4),
+        # Weights, gradients and Adam's two states: what no batch size or activation technique reduces.
+        "fixed_mib": round(float(ref.model_max_mib + ref.gradients_max_mib + ref.optimizer_max_mib), 3),
+        "measured": {f"{int(r.tokens)}x{int(r.sentence_length)}": {"accounted_mib": round(float(r.total_mib), 3),
+                     "measured_mib": round(float(r.measured_mib), 3), "gap_pct": round(float(r.gap_pct), 3)} for r in measured.itertuples()},
+        "max_abs_gap_pct": round(float(measured.gap_pct.abs().max()), 3) if len(measured) else None,
+    }

@@ -1,0 +1,148 @@
+"""The four techniques on DynamicConv (Sohoni et al. 2019, the translation benchmark), as a fairseq ``--user-dir``
+plugin rather than a fork: ``fairseq-train --user-dir lowmem/fairseq_user_dir/lowmem_fairseq --task lowmem_translation
+--arch lowmem_lightconv_iwslt_de_en ...``.
+
+fairseq already has two of the levers, and they are used as they are:
+
+- low precision: ``--fp16`` (fp16 weights and activations, fp32 master weights in the optimizer; CUDA only in
+  fairseq 0.12), ``--memory-efficient-fp16`` (no fp32 copy; fairseq's Adam keeps its state in fp32), ``--amp``
+  (torch's CUDA autocast; a no-op on CPU). fairseq 0.12's ``--bf16`` means TPU and does not run elsewhere;
+- microbatching: ``--update-freq k`` with ``--max-tokens T/k`` (gradients accumulated over k batches).
+
+The plugin adds the other two, as options of the model:
+
+- ``--checkpoint-activations``, named as the transformer's: each encoder and decoder layer wrapped in fairseq's
+  own ``checkpoint_wrapper``, which lightconv does not offer;
+- ``--sparsity S`` with ``--sparse-method dsr|static``: the linear maps inside the encoder and decoder layers (the
+  layers' in/out projections, the FFN, DynamicConv's kernel-predicting linear and the encoder-decoder attention's
+  projections) stored as ``lowmem.techniques.sparse_linear.SparseLinear`` and trained with ``lowmem.techniques.sparsity.DSR``. The two
+  embedding tables and the output projection stay dense: each of their rows is one word's vector, so a sparse
+  pattern would cut words rather than connections (the WRN recipe keeps its stem and classifier dense likewise).
+
+DSR rewires after optimizer steps, which a model cannot see, so ``lowmem_translation`` is fairseq's translation
+task with ``optimizer_step`` extended by one call. DSR's state (threshold, step, random stream) travels in the
+model's state dict, so fairseq's own checkpoints resume it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+import torch
+from fairseq.models import register_model, register_model_architecture
+from fairseq.models.lightconv import LightConvModel, lightconv_iwslt_de_en
+from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.tasks import register_task
+from fairseq.tasks.translation import TranslationConfig, TranslationTask
+
+from lowmem.techniques import sparse_linear, sparsity
+
+ARCH = "lowmem_lightconv_iwslt_de_en"
+TASK = "lowmem_translation"
+
+
+@functools.cache
+def default_reallocate_fraction() -> float:
+    """The recipe's 20,000 moved weights as a fraction of WRN-28-2's sparse-layer weights, so that a model of
+    another size moves the same share of its sparse weights."""
+    return sparsity.RECIPE_REALLOCATE / sparsity.RECIPE_SPARSE_WEIGHTS
+
+
+def sparse_candidates(model: torch.nn.Module) -> list[str]:
+    """The ``nn.Linear`` modules inside the encoder and decoder layers (embeddings and output projection excluded)."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(("encoder.layers.", "decoder.layers."))]
+
+
+def _periods(text: str) -> tuple[int, ...]:
+    try:
+        periods = tuple(int(v) for v in json.loads(text))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--dsr-periods must be a list of four update counts such as '[100,200,400,800]', got {text!r}") from e
+    if len(periods) != 4 or min(periods) < 1:
+        raise ValueError(f"--dsr-periods needs four periods >= 1 (from 0, 12.5, 40 and 70% of --max-update), got {text!r}")
+    return periods
+
+
+@register_model("lowmem_lightconv")
+class LowmemLightConvModel(LightConvModel):
+    """fairseq's LightConvModel with optional sparse layers and per-layer activation checkpointing."""
+
+    dsr: sparsity.DSR | None = None
+
+    @staticmethod
+    def add_args(parser: Any) -> None:
+        LightConvModel.add_args(parser)
+        parser.add_argument("--checkpoint-activations", action="store_true",
+                            help="recompute each encoder and decoder layer in the backward pass (fairseq's checkpoint_wrapper): "
+                                 "keeps only each layer's input, for about one more forward pass of compute")
+        parser.add_argument("--sparsity", type=float, metavar="S",
+                            help="fraction of zero weights in the layers' linear maps, 0 <= S < 1 (0: dense); stored compressed, "
+                                 "so weights, gradients and Adam state shrink, at the cost of the dense weight rebuilt in each pass")
+        parser.add_argument("--sparse-method", choices=sparsity.METHODS,
+                            help="dsr: random initial pattern rewired by DSR during training; static: the largest weights at "
+                                 "initialization, never moved (cheaper, usually less accurate)")
+        parser.add_argument("--dsr-reallocate", type=float, metavar="F",
+                            help="weights moved per DSR rewiring, as a fraction of the sparse layers' dense weight count "
+                                 "(default: the WRN recipe's 20,000 scaled by size); more moves explore faster but disturb training more")
+        parser.add_argument("--dsr-periods", type=str, metavar="LIST",
+                            help="DSR rewiring periods in updates from 0, 12.5, 40 and 70%% of --max-update, e.g. '[100,200,400,800]' "
+                                 "(none after 95%%); shorter periods adapt more and cost more rewirings")
+
+    @classmethod
+    def build_model(cls, args: Any, task: Any) -> LowmemLightConvModel:
+        if not 0.0 <= args.sparsity < 1.0:
+            raise ValueError(f"--sparsity must be in [0, 1), got {args.sparsity}")
+        periods = _periods(args.dsr_periods)
+        dsr = args.sparsity > 0 and args.sparse_method == "dsr"
+        if dsr and getattr(args, "fp16", False) and not getattr(args, "memory_efficient_fp16", False):
+            # FP16Optimizer flattens the fp32 copy at fixed per-layer sizes; DSR moves nonzeros between layers.
+            raise ValueError("--sparsity with --sparse-method dsr cannot run with --fp16; use --memory-efficient-fp16")
+        base = LightConvModel.build_model(args, task)
+        model = cls(base.encoder, base.decoder)
+        if args.sparsity > 0:
+            layers = sparse_linear.sparsify(model, sparse_candidates(model), args.sparsity, args.sparse_method, seed=getattr(args, "seed", 1))
+            total = getattr(args, "max_update", 0)
+            if dsr and total > 0:
+                dense = sum(layer.shape.numel() for layer in layers.values())
+                model.dsr = sparsity.DSR(layers, total_steps=total, reallocate=max(1, round(args.dsr_reallocate * dense)),  # type: ignore[arg-type]
+                                         periods=periods, seed=getattr(args, "seed", 1))
+        if args.checkpoint_activations:
+            for layer in [*model.encoder.layers, *model.decoder.layers]:
+                checkpoint_wrapper(layer)
+        return model
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return self.dsr.state_dict() if self.dsr is not None else {}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if self.dsr is not None and state:
+            self.dsr.load_state_dict(state)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, model_cfg: Any = None, args: Any = None) -> Any:
+        sparsity.resize_to(self, state_dict)  # DSR moved nonzeros between layers
+        for layer in sparse_linear.sparse_linears(self).values():
+            layer.indices = layer.indices.to(layer.values.device)  # fairseq loads checkpoints to the CPU first
+        return super().load_state_dict(state_dict, strict, model_cfg, args)
+
+
+@register_model_architecture("lowmem_lightconv", ARCH)
+def lowmem_lightconv_iwslt_de_en(args: Any) -> None:
+    args.checkpoint_activations = getattr(args, "checkpoint_activations", False)
+    args.sparsity = getattr(args, "sparsity", 0.0)
+    args.sparse_method = getattr(args, "sparse_method", "dsr")
+    args.dsr_reallocate = getattr(args, "dsr_reallocate", default_reallocate_fraction())
+    args.dsr_periods = getattr(args, "dsr_periods", "[100,200,400,800]")  # the WRN recipe's (paper notes)
+    lightconv_iwslt_de_en(args)
+
+
+@register_task(TASK, dataclass=TranslationConfig)
+class LowmemTranslationTask(TranslationTask):
+    """fairseq's translation task; after each optimizer step, the model's DSR rewires when its schedule says so."""
+
+    def optimizer_step(self, optimizer: Any, model: Any, update_num: int) -> None:
+        super().optimizer_step(optimizer, model, update_num)
+        dsr = getattr(model, "dsr", None)
+        if dsr is not None:
+            dsr.after_step(optimizer.optimizer)  # the torch optimizer, whose state DSR realigns

@@ -1,5 +1,0 @@
-"""lowmem's fairseq plugin: ``fairseq-train --user-dir <this folder> --task lowmem_translation --arch
-lowmem_lightconv_iwslt_de_en``. The code is ``lowmem.fairseq_plugin``; importing it registers the model, its
-architecture and the task."""
-
-import lowmem.fairseq_plugin  # noqa: F401

@@ -1,0 +1,124 @@
+"""``dvc repro`` with each stage's wall time recorded: what `make repro` runs.
+
+    python -m lowmem.pipeline.stage_times [--all] [--out figures/stage_times] [-- dvc repro ARGS...]
+
+``--all`` (``make repro-all``) also runs the stages that dvc.yaml marks ``frozen: true``, the ones left out of the
+default pipeline to keep it within an hour. DVC never runs a frozen stage and cannot unfreeze a matrix stage
+(``dvc unfreeze`` refuses parametrized stages), so dvc.yaml is rewritten without the marks for that part of the run
+and put back afterwards, whatever happens. And each ``dvc repro`` writes a frozen stage into dvc.lock as its deps
+stand, so the lock calls a frozen stage up to date whatever made its outputs: ``--all`` therefore forces the left-out
+stages (``dvc repro --force --single-item``), after the default pipeline and before what reads them. A forced stage
+takes every run it needs from the run store, so it retrains only what the store lacks.
+
+DVC prints ``Running stage 'NAME':`` as it starts each stage; a stage's time is from that line to the next stage's
+(or the end), so it includes DVC's own hashing and caching of the stage's outputs. The table keeps the latest time
+of every stage that has ever run, with the date it was measured and the profile; a run in which no stage ran leaves
+it as it was. DVC has no timing report of its own (``dvc repro`` keeps none in ``dvc.lock``), hence this wrapper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from lowmem.pipeline import outputs
+
+STARTED = re.compile(r"^Running stage '([^']+)':")
+FROZEN = re.compile(r"^    frozen: true\b.*\n", re.MULTILINE)
+
+
+def left_out(dvc_yaml: Path = Path("dvc.yaml")) -> list[str]:
+    """The stages ``make repro`` leaves out: those dvc.yaml marks ``frozen: true``."""
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    return [n for n, s in stages.items() if s.get("frozen")]  # in dvc.yaml's order, upstream first
+
+
+def repro_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[list[list[str]], list[list[str]]]:
+    """``make repro-all`` as (commands run as dvc.yaml stands, commands run with the frozen marks removed)."""
+    return [["dvc", "repro"]], [["dvc", "repro", "--force", "--single-item", *left_out(dvc_yaml)], ["dvc", "repro"]]
+
+
+def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
+    """Runs ``timed(cmd)`` with dvc.yaml's frozen marks removed; dvc.yaml is restored even on an interrupt."""
+    text = dvc_yaml.read_text()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs on a plain kill too
+    dvc_yaml.write_text(FROZEN.sub("", text))
+    try:
+        return timed(cmd)
+    finally:
+        dvc_yaml.write_text(text)
+
+
+def timed_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
+    """Runs ``repro_all``'s commands in turn, stopping at the first that fails."""
+    plain, thawed = repro_all(dvc_yaml)
+    times: list[tuple[str, float]] = []
+    for cmd, run in [*((c, timed) for c in plain), *((c, lambda c: unfrozen(c, dvc_yaml)) for c in thawed)]:
+        rc, t = run(cmd)
+        times += t
+        if rc != 0:
+            return rc, times
+    return 0, times
+
+
+def timed(cmd: list[str]) -> tuple[int, list[tuple[str, float]]]:
+    """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) in the order they ran."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    starts: list[tuple[str, float]] = []
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        m = STARTED.match(line)
+        if m:
+            starts.append((m.group(1), time.monotonic()))
+    rc = proc.wait()
+    end = time.monotonic()
+    ends = [t for _, t in starts[1:]] + [end]
+    return rc, [(name, round(e - t, 1)) for (name, t), e in zip(starts, ends)]
+
+
+def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool) -> pd.DataFrame:
+    old = pd.read_csv(table.with_suffix(".csv")) if table.with_suffix(".csv").exists() else pd.DataFrame()
+    today = time.strftime("%Y-%m-%d")
+    new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile} for s, t in times])
+    if not ok and len(new):
+        new = new.iloc[:-1]  # the stage that failed did not finish: its time is not a stage time
+    merged = pd.concat([old[~old.stage.isin(new.stage)] if len(old) else old, new], ignore_index=True)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cmd = argv[argv.index("--") + 1:] if "--" in argv else ["dvc", "repro"]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("figures/stage_times"))
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--all", action="store_true", help=f"also the stages left out of the default: {', '.join(left_out())}")
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    profile = yaml.safe_load(args.params.read_text())["base"]["profile"]
+    t0 = time.monotonic()
+    if args.all and "--" in argv:
+        ap.error("--all runs its own commands (the default pipeline, then the left-out stages forced); give no -- CMD")
+    rc, times = timed_all() if args.all else timed(cmd)
+    cmd = ["make", "repro-all"] if args.all else cmd
+    if times:
+        table = update(args.out, times, profile, rc == 0)
+        total = sum(t for _, t in times)
+        outputs.save_table(table, args.out, f"Wall time of each DVC stage the last time it ran (`make repro`, "
+                                             f"{' '.join(cmd)}), 2 CPU cores unless stated; the time of a stage includes "
+                                             f"DVC's hashing of its outputs. Latest run: {len(times)} stage(s), "
+                                             f"{total / 60:.1f} min, profile `{profile}`.")
+        print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""The training half of each WRN study: its runs trained (or taken from the run store), their results as one small
+JSON that the study's notebook reads.
+
+    python -m lowmem.pipeline.train_stage STAGE --params data/params/STAGE.yaml --out data/results/STAGE_train.json
+
+STAGE is ``baseline``, ``sparsity``, ``precision`` or ``microbatching``; the resolved parameters come from
+``python -m lowmem.pipeline.stage_params``. Each run is keyed by what changes it (``lowmem.wrn.train.run_fields``), so a run that
+two studies share (the fp32 reference of every study) is trained once, by whichever stage asks first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+
+from lowmem import runs
+from lowmem.config import STAGES, ParamError
+from lowmem.studies import microbatching
+from lowmem.studies import params as _study_params  # noqa: F401  (registers the stages' dataclasses)
+from lowmem.studies import precision as precision_study
+from lowmem.studies import sparsity as sparsity_study
+from lowmem.wrn.params import BaselineParams
+from lowmem.wrn.train import Techniques, store_run, train
+
+Planned = tuple[dict[str, Any], BaselineParams, int, Techniques]
+
+
+def _baseline_plan(p: BaselineParams) -> list[Planned]:
+    return [({}, p, seed, Techniques()) for seed in p.seeds]
+
+
+PLANS: dict[str, Callable[[Any], list[Planned]]] = {
+    "baseline": _baseline_plan,
+    "sparsity": sparsity_study.plan,
+    "precision": precision_study.plan,
+    "microbatching": microbatching.plan,
+}
+
+
+def plan(stage: str, p: Any) -> list[Planned]:
+    if stage not in PLANS:
+        raise ValueError(f"stage {stage!r} trains no WRN runs; the ones that do: {', '.join(PLANS)}")
+    return PLANS[stage](p)
+
+
+def collect(stage: str, p: Any, progress: bool = True) -> dict[str, Any]:
+    """Every planned run of ``stage``, trained where the store lacks it; what its notebook reads."""
+    planned = plan(stage, p)
+    out = []
+    for i, (labels, base, seed, tech) in enumerate(planned):
+        run = store_run(base, seed, tech)
+        trained = run.result() is None
+        if progress:
+            what = ", ".join(f"{k}={v}" for k, v in labels.items()) or "baseline"
+            print(f"[{i + 1}/{len(planned)}] {what}, seed {seed}: {'training' if trained else 'in the store'} ({run.key})", flush=True)
+        history = train(base, seed, tech, progress=progress)
+        out.append({"key": run.key, "labels": labels, "seed": seed, "trained": trained, "history": history})
+    n = sum(r["trained"] for r in out)
+    if progress:
+        print(f"{stage}: {len(out)} runs, {n} trained, {len(out) - n} taken from the store", flush=True)
+    return {"stage": stage, "profile": p.profile, "runs": out}
+
+
+def keys(stage: str, p: Any) -> list[str]:
+    return [store_run(base, seed, tech).key for _, base, seed, tech in plan(stage, p)]
+
+
+def results(stage: str, p: Any, path: str | Path, progress: bool = True) -> dict[str, Any]:
+    """The results of ``stage`` at parameters ``p``: read from ``path`` (what the ``<stage>_train`` stage wrote)
+    when it holds exactly the runs ``p`` plans, else collected and written there (a notebook opened on its own)."""
+    path = Path(path)
+    if path.exists():
+        res = runs.read_json(path)
+        if [r["key"] for r in res["runs"]] == keys(stage, p):
+            return res
+    res = collect(stage, p, progress)
+    runs.write_json(path, res)
+    return res
+
+
+def final_rows(res: dict[str, Any]) -> pd.DataFrame:
+    """One row per run: its last epoch's metrics and its labels (method, mode, norm, ...)."""
+    return pd.DataFrame([{**r["history"][-1], **r["labels"]} for r in res["runs"]])
+
+
+def histories(res: dict[str, Any]) -> pd.DataFrame:
+    """Every epoch of every run, with its labels."""
+    return pd.DataFrame([{**row, **r["labels"]} for r in res["runs"] for row in r["history"]])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=tuple(PLANS))
+    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.config)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--data-root", default="data/raw", help="image datasets, from where this runs (the notebooks' ../data/raw)")
+    args = ap.parse_args(argv)
+    resolved = yaml.safe_load(args.params.read_text())
+    try:
+        if "train" in resolved:
+            resolved["train"]["data_root"] = args.data_root
+        else:
+            resolved["data_root"] = args.data_root
+        p = STAGES[args.stage](**resolved)
+    except (ParamError, TypeError) as e:
+        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline.stage_params", file=sys.stderr)
+        return 2
+    runs.write_json(args.out, collect(args.stage, p))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The four techniques combined (Sohoni et al. 2019, the combination study behind 60.7x and 8.7x): a grid of
+sparsity x precision x microbatch x checkpoint for each task, accounted at full size, timed at the active profile,
+and a subset chosen from the memory results for training.
+
+- WRN: every combination is a ``lowmem.wrn.train.Techniques``; memory is WRN-28-2's step at B = 128, step time is the
+  profile's trained model at its batch, and a chosen combination trains with ``lowmem.wrn.train.train``.
+- DynamicConv: every combination is a set of fairseq-train options of lowmem's plugin (``lowmem.studies.translation``);
+  memory is the full-size model's update at the recipe's tokens, and a chosen combination trains with fairseq-train.
+
+The chosen subset, from memory alone so that it does not move with timing noise: the baseline and the single
+techniques named in params.yaml, then for each memory level the combination that reaches it with the fewest and
+mildest techniques (see ``select``). Each one is a slot of a DVC ``matrix`` stage.
+
+    python -m lowmem.studies.combinations sweep wrn|dynamicconv [--params params.yaml]
+    python -m lowmem.studies.combinations train wrn|dynamicconv --slot N [--params params.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import yaml
+from tqdm import tqdm
+
+from lowmem import runs
+from lowmem.config import PROFILES, ParamError, pick, resolve, resolve_device
+from lowmem.dynamicconv import translation
+from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTechniquesParams
+from lowmem.memory.accounting import CATEGORIES, MIB
+from lowmem.techniques import precision
+from lowmem.wrn import memory as wrn_memory
+from lowmem.wrn.data import load
+from lowmem.wrn.params import BaselineParams
+from lowmem.wrn.recipe import make_optimizer
+from lowmem.wrn.step import wrn_model
+from lowmem.wrn.train import Techniques, store_run, summarize, train, train_step
+
+TASKS = ("wrn", "dynamicconv")
+DIMS = ("sparsity", "precision", "microbatch", "checkpoint")
+
+
+@dataclass
+class CombinationsParams:
+    """Blocks ``combinations_wrn`` and ``combinations_dynamicconv`` of params.yaml: the grid, what is trained, and
+    the quality budgets of the tables."""
+
+    task: str = "wrn"
+    profile: str = "smoke"
+    seed: int = 0
+    sparsity: list[float] = field(default_factory=lambda: [0.0, 0.9])  # 0 = dense
+    precision: list[str] = field(default_factory=lambda: ["fp32", "half-bf16"])
+    microbatch: list[int] = field(default_factory=lambda: [0, 8])  # WRN: examples per pass, 0 = whole batch; DynamicConv: --update-freq
+    checkpoint: list[str] = field(default_factory=lambda: ["none", "sqrt"])  # WRN strategies; DynamicConv: none or layers
+    singles: list[dict[str, Any]] = field(default_factory=list)  # single-technique points always trained, e.g. {sparsity: 0.9}
+    levels: list[float] = field(default_factory=lambda: [4.0])  # memory reductions (x) at which one combination is trained
+    trained_elsewhere: list[str] = field(default_factory=list)  # DynamicConv: configurations whose runs come from stage 08
+    slots: int = 3  # slots of the DVC matrix stage; must equal what ``select`` picks (dvc.yaml lists 0 .. slots-1)
+    budgets: list[float] = field(default_factory=lambda: [0.1, 0.4, 1.0])  # quality losses of the budget table
+    train_seeds: list[int] = field(default_factory=lambda: [0])  # WRN: seeds of each trained combination
+    timing_repeats: int = 1  # WRN: timed steps per combination (after a warm-up), all combinations in turn
+    sparse_format: str = "csr16"  # WRN: accounted CSR index width (16-bit where every index fits)
+    wrn: dict = field(default_factory=dict)  # WRN: the memory study's shapes (block ``sparsity``: model, batch, ...)
+    train: dict = field(default_factory=dict)  # WRN: the baseline block, resolved (the trained runs' recipe)
+    dsr: dict = field(default_factory=dict)  # WRN: block ``sparsity``'s DSR periods and reallocation
+    translation: dict = field(default_factory=dict)  # DynamicConv: translation_techniques, resolved
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ParamError(f"task={self.task!r} is not one of {', '.join(TASKS)}")
+        if self.profile not in PROFILES:
+            raise ParamError(f"base.profile={self.profile!r} is not allowed; use one of: {', '.join(PROFILES)}")
+        for name in ("sparsity", "precision", "microbatch", "checkpoint"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or not values:
+                raise ParamError(f"combinations_{self.task}.{name} must be a non-empty list, got {values!r}")
+        for cfg in self.singles:
+            if not isinstance(cfg, dict) or len(cfg) != 1 or set(cfg) - set(DIMS):
+                raise ParamError(f"combinations_{self.task}.singles: each is one technique's setting, {{name: value}} with a name among {DIMS}; got {cfg!r}")
+        if self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1) or self.checkpoint[0] != "none":
+            raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (0, fp32, "
+                             f"{'0' if self.task == 'wrn' else '1'}, none): the baseline is the first combination")
+        if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
+            raise ParamError(f"combinations_{self.task}.levels must be increasing reductions above 1, got {self.levels!r}")
+        if not self.train_seeds or not all(isinstance(s, int) for s in self.train_seeds):
+            raise ParamError(f"combinations_{self.task}.train_seeds must be a non-empty list of integers")
+
+
+
+def resolve_task(task: str, params: dict[str, Any]) -> CombinationsParams:
+    """The checked parameters of ``task``'s combination study for the profile of ``params['base']``."""
+    profile = params.get("base", {}).get("profile")
+    block = {k: pick(v, profile) for k, v in params.get(f"combinations_{task}", {}).items()}
+    known = {f.name for f in dataclasses.fields(CombinationsParams)}
+    if set(block) - known:
+        raise ParamError(f"unknown parameter(s) {sorted(set(block) - known)} in block combinations_{task}; known: {sorted(known)}")
+    extra: dict[str, Any] = {}
+    if task == "wrn":
+        sp = resolve("sparsity", params)
+        extra = {"train": sp["train"], "dsr": {"dsr_periods": sp["dsr_periods"], "dsr_reallocate": sp["dsr_reallocate"]},
+                 "wrn": {k: sp[k] for k in ("model", "num_classes", "in_channels", "image_size", "batch_size", "device")}}
+    elif task == "dynamicconv":
+        extra = {"translation": resolve("translation_techniques", params)}
+    return CombinationsParams(task=task, profile=profile, seed=params.get("base", {}).get("seed", 0), **block, **extra)
+
+
+def grid(p: CombinationsParams) -> list[dict[str, Any]]:
+    """Every combination of the four lists, the baseline first; only a technique that is on appears in a config."""
+    off = {d: getattr(p, d)[0] for d in DIMS}
+    out = []
+    for values in itertools.product(*(getattr(p, d) for d in DIMS)):
+        out.append({d: v for d, v in zip(DIMS, values) if v != off[d]})
+    return out
+
+
+def name(p: CombinationsParams, cfg: dict[str, Any]) -> str:
+    """A readable, unique name; DynamicConv's single techniques are named as in stage 08 (translation_techniques)."""
+    if not cfg:
+        return "baseline"
+    parts = []
+    if "sparsity" in cfg:
+        parts.append(f"sparsity-{cfg['sparsity']:g}")
+    if "precision" in cfg:
+        parts.append(cfg["precision"])
+    if "microbatch" in cfg:
+        parts.append(f"microbatch-{cfg['microbatch']}" if p.task == "wrn" else f"update-freq-{cfg['microbatch']}")
+    if "checkpoint" in cfg:
+        parts.append(f"checkpoint-{cfg['checkpoint']}" if p.task == "wrn" else "checkpoint")
+    return "+".join(parts)
+
+
+def mildness(p: CombinationsParams, cfg: dict[str, Any]) -> int:
+    """How far a combination moves training from the baseline, for ``select``: the sum of each setting's rank in
+    its list (a list runs from the 'off' value to the strongest setting)."""
+    return sum(getattr(p, d).index(v) for d, v in cfg.items())
+
+
+def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
+    """The combinations to train, in slot order: the baseline, ``p.singles``, then for each level in ``p.levels``
+    the not yet chosen combination that reaches it with the fewest techniques, then the mildest settings (ties: the
+    larger reduction). DynamicConv leaves out what stage 08 trains (``p.trained_elsewhere``) and, on the CPU, the
+    16-bit options that fairseq cannot train there. Each entry is {slot, name, role}."""
+    names = set(memory.name)
+    chosen: list[dict[str, Any]] = []
+    first = [("baseline", "baseline"), *[(name(p, s), "single technique") for s in p.singles]]
+    for n, role in first:
+        if n not in names:
+            raise ParamError(f"combinations_{p.task}.singles: {n} is not in the grid")
+        chosen.append({"name": n, "role": role})
+    pool = memory[~memory.name.isin([c["name"] for c in chosen])]
+    if p.task == "dynamicconv" and not trainable_16bit(p):
+        pool = pool[pool.precision == "fp32"]
+    for level in p.levels:
+        reach = pool[pool.reduction >= level]
+        if reach.empty:
+            raise ParamError(f"combinations_{p.task}.levels: no combination of the grid reaches {level}x (max "
+                             f"{memory.reduction.max():.1f}x); lower the level or widen the grid")
+        order = sorted(reach.itertuples(), key=lambda r: (r.techniques, r.mildness, -r.reduction))
+        chosen.append({"name": order[0].name, "role": f"level {level:g}x"})
+        pool = pool[pool.name != order[0].name]
+    chosen = [c for c in chosen if c["name"] not in p.trained_elsewhere]
+    if len(chosen) != p.slots:
+        raise ParamError(f"combinations_{p.task}: {len(chosen)} combinations are chosen but slots={p.slots}; set slots "
+                         f"to {len(chosen)} and list 0..{len(chosen) - 1} in the matrix of dvc.yaml's stage combination_{p.task}")
+    configs = memory.set_index("name").config
+    return [{"slot": i, **c, "config": json.loads(configs[c["name"]])} for i, c in enumerate(chosen)]
+
+
+def trainable_16bit(p: CombinationsParams) -> bool:
+    # fairseq 0.12's --fp16 needs CUDA and --memory-efficient-fp16 fails on the CPU at its first overflow (README).
+    return torch.cuda.is_available() and p.translation.get("device", "auto") != "cpu"
+
+
+# --- WRN -------------------------------------------------------------------------------------------------------
+
+
+def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: int | None = None) -> Techniques:
+    """The trainer's configuration. A microbatch at least as large as the trained batch is no microbatching."""
+    b = cfg.get("microbatch", 0)
+    if trained_batch is not None and b >= trained_batch:
+        b = 0
+    return Techniques(sparsity=cfg.get("sparsity", 0.0), precision=cfg.get("precision", "fp32"), microbatch=b,
+                      checkpoint=cfg.get("checkpoint", "none"), sparse_format=p.sparse_format,
+                      dsr_periods=tuple(p.dsr.get("dsr_periods", (100, 200, 400, 800))),
+                      dsr_reallocate=p.dsr.get("dsr_reallocate", 20000))
+
+
+def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: bool = True) -> dict[str, Any]:
+    """The accounted peak of one full-size step (``p.wrn``: WRN-28-2 at B = 128) under ``cfg``, by category
+    (``lowmem.wrn.memory``, which follows microbatches 1, 2 and the last one unless ``skip_repeats`` is off)."""
+    w = p.wrn
+    shape = wrn_memory.Shape(w["model"], w["batch_size"], w["num_classes"], w["in_channels"], w["image_size"])
+    r = wrn_memory.account(wrn_techniques(p, cfg), shape, p.seed, skip_repeats)
+    return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB, "peak_phase": r.peak_phase}
+
+
+def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progress: bool = True) -> list[float]:
+    """Seconds per training step of each configuration at the active profile (the trained model and batch, random
+    inputs, on the baseline block's device): ``timing_repeats`` rounds over all configurations in turn after a
+    warm-up step each, so that drift in the machine's speed hits all alike; the median of the rounds."""
+    base = BaselineParams(**p.train)
+    device = resolve_device(base.device)
+    data = load(base.dataset, base.data_root, augment=False, seed=0)
+    steps = []
+    for cfg in tqdm(configs, desc="building and warming up", disable=not progress, mininterval=10):
+        tech = wrn_techniques(p, cfg, base.batch_size)
+        shape = (base.batch_size, data.in_channels, 32, 32)
+        model = wrn_model(base.model, data.num_classes, data.in_channels, tech, device, p.seed, shape)
+        opt = make_optimizer(model)
+        prec = precision.parse(tech.precision)
+        scaler = precision.make_scaler(prec, device.type)
+        x = precision.cast_batch(torch.randn(shape, device=device), prec)
+        y = torch.randint(0, data.num_classes, (base.batch_size,), device=device)
+        step = (lambda m=model, o=opt, t=tech, s=scaler, x=x, y=y: train_step(m, o, x, y, t, scaler=s).item())
+        step()
+        steps.append(step)
+    times: list[list[float]] = [[] for _ in configs]
+    for _ in tqdm(range(p.timing_repeats), desc="timing rounds", disable=not progress):
+        for i, step in enumerate(steps):
+            t0 = time.perf_counter()
+            step()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
+    """Trains ``cfg`` with the baseline block's recipe and data on each of ``p.train_seeds``, through the run store:
+    a run another stage made (a single technique of notebooks 03-05, or the plain run of a checkpointed
+    configuration) is taken from there."""
+    base = BaselineParams(**p.train)
+    tech = wrn_techniques(p, cfg, base.batch_size)
+    store = [store_run(base, seed, tech) for seed in p.train_seeds]
+    fresh = [r.result() is None for r in store]
+    final = [train(base, seed, tech, progress=progress)[-1] for seed in p.train_seeds]
+    s = summarize(final)
+    return {"runs": [{"key": r.key, "seed": seed, "trained": t} for r, seed, t in zip(store, p.train_seeds, fresh)],
+            "model": base.model, "data": final[0]["data"], "epochs": base.epochs, "batch_size": base.batch_size,
+            "trained_microbatch": tech.microbatch, "per_seed_acc": [r["test_acc"] for r in final],
+            **{k: s[k] for k in ("seeds", "test_acc_mean", "test_acc_std", "images_per_s", "step_s")}}
+
+
+# --- DynamicConv -----------------------------------------------------------------------------------------------
+
+
+def translation_options(p: CombinationsParams, cfg: dict[str, Any]) -> list[str]:
+    """fairseq-train options of ``cfg`` for lowmem's plugin. With --fp16 the sparse layers are static: DSR's moving
+    pattern cannot live in fairseq's flattened fp32 master copy (the plugin refuses it); the bytes are the same."""
+    t = p.translation
+    args: list[str] = []
+    if cfg.get("sparsity"):
+        args += ["--sparsity", f"{cfg['sparsity']:g}"]
+        if cfg.get("precision") == "fp16":
+            args += ["--sparse-method", "static"]
+    if cfg.get("precision"):
+        args += [f"--{cfg['precision']}"]
+    k = cfg.get("microbatch", 1)
+    if k > 1:
+        args += ["--update-freq", str(k), "--max-tokens", str(t["max_tokens"] // k)]
+    if cfg.get("checkpoint"):
+        args += ["--checkpoint-activations"]
+    return args
+
+
+def translation_params(p: CombinationsParams, configs: list[dict[str, Any]], trained: list[str] | None = None) -> TranslationTechniquesParams:
+    techniques = {name(p, c): translation_options(p, c) for c in configs}
+    names = ["baseline", *(trained or [])]
+    return TranslationTechniquesParams(**{**p.translation, "techniques": techniques, "trained": names, "timed": names})
+
+
+def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path) -> dict[str, Any]:
+    """Trains ``cfg`` as stage 08 trains a single technique (same command, updates, seed and scoring, so the BLEU
+    compares with stage 08's baseline), then times it against the baseline in alternating short runs."""
+    from lowmem.studies import translation as translation_study  # fairseq: imported only where DynamicConv runs
+    n = name(p, cfg)
+    tp = translation_params(p, [{}, cfg], [n])
+    res = translation.train_result(translation_study.train_params(tp, n), data_dir)
+    records, save_dir = res["records"], Path(res["dir"])
+    ev = translation.evaluate(TranslationEvaluateParams(profile=tp.profile, device=tp.device), data_dir, save_dir,
+                              save_dir / "generate", tuple(translation_study.PLUGIN[:2]))
+    timing = translation_study.time_steps(tp, data_dir)
+    per = pd.DataFrame(timing).groupby("technique").seconds_per_update.median()
+    return {"runs": [{"key": res["key"], "seed": tp.seed, "trained": res["trained"]}],
+            "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"], "max_update": tp.max_update,
+            "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r),
+            "time_ratio": round(float(per[n] / per["baseline"]), 3), "timing": timing}
+
+
+# --- the two pipeline steps ------------------------------------------------------------------------------------
+
+
+def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+    """Every combination of the grid accounted at full size (and, for WRN, timed at the active profile), and the
+    subset chosen for training: (table, selection)."""
+    configs = grid(p)
+    rows = []
+    if p.task == "dynamicconv":
+        from lowmem.studies import translation as translation_study  # fairseq: imported only where DynamicConv runs
+
+        mem = translation_study.memory(translation_params(p, configs))
+        by_name = mem.set_index("technique")
+    for cfg in tqdm(configs, desc=f"accounting {p.task} combinations", disable=not progress, mininterval=10):
+        n = name(p, cfg)
+        full = {d: cfg.get(d, getattr(p, d)[0]) for d in DIMS}
+        row: dict[str, Any] = {"name": n, **full, "config": json.dumps(cfg), "techniques": len(cfg), "mildness": mildness(p, cfg)}
+        if p.task == "wrn":
+            row |= wrn_memory_row(p, cfg)
+        else:
+            m = by_name.loc[n]
+            row |= {"options": m.options, **{f"{c}_mib": m[f"{c}_mib"] for c in CATEGORIES}, "total_mib": m.total_mib,
+                    "peak_phase": m.peak_phase}
+        rows.append(row)
+    df = pd.DataFrame(rows)
+    df["reduction"] = df.total_mib.iloc[0] / df.total_mib
+    if p.task == "wrn":
+        secs = wrn_step_times(p, configs, progress)
+        df["step_s"] = secs
+        df["time_ratio"] = df.step_s / df.step_s.iloc[0]
+    chosen = select(p, df)
+    return df, chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("step", choices=("sweep", "train"))
+    ap.add_argument("task", choices=TASKS)
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"))
+    ap.add_argument("--slot", type=int, help="train: which chosen combination (0 = the baseline)")
+    ap.add_argument("--sweep-dir", type=Path, default=Path("data/combinations"), help="the sweep's table and selection")
+    ap.add_argument("--data-dir", type=Path, default=translation.DATA, help="train: the translation stages' data")
+    ap.add_argument("--data-root", default="data/raw", help="WRN: image datasets (the notebooks' ../data/raw, from the repository root)")
+    ap.add_argument("--metrics", type=Path, help="train: write the run's metrics here")
+    ap.add_argument("--results", type=Path, help="a copy of what the step wrote, kept in the DVC cache (dvc.yaml)")
+    args = ap.parse_args(argv)
+    try:
+        p = resolve_task(args.task, yaml.safe_load(args.params.read_text()))
+        if p.train:
+            p.train["data_root"] = args.data_root
+        if args.step == "sweep":
+            df, chosen = sweep(p)
+            args.sweep_dir.mkdir(parents=True, exist_ok=True)
+            df.to_csv(args.sweep_dir / f"{p.task}_sweep.csv", index=False)
+            (args.sweep_dir / f"{p.task}_selected.json").write_text(json.dumps({"profile": p.profile, "selected": chosen}, indent=2) + "\n")
+            if args.results:
+                runs.write_json(args.results, {"profile": p.profile, "combinations": len(df), "selected": chosen})
+            return 0
+        if args.slot is None or args.metrics is None:
+            raise ParamError("train needs --slot and --metrics")
+        sel_file = args.sweep_dir / f"{p.task}_selected.json"
+        if not sel_file.exists():
+            raise FileNotFoundError(f"{sel_file} is missing: run the sweep first (dvc repro combinations_sweep_{p.task})")
+        selected = json.loads(sel_file.read_text())["selected"]
+        if not 0 <= args.slot < len(selected):
+            raise ParamError(f"slot {args.slot} is not among the {len(selected)} chosen combinations of {p.task}")
+        chosen = selected[args.slot]
+        cfg = chosen["config"]
+        print(f"== {p.task} slot {args.slot}: {chosen['name']} ({chosen['role']})", flush=True)
+        if p.task == "wrn":
+            result = train_wrn(p, cfg)
+        else:
+            result = train_translation(p, cfg, args.data_dir)
+    except (ParamError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = {"task": p.task, "profile": p.profile, **chosen, **result}
+    runs.write_json(args.metrics, out)
+    if args.results:
+        runs.write_json(args.results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

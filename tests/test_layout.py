@@ -1,0 +1,76 @@
+"""The package's layout is its architecture: dependencies point one way, pipeline → studies → tracks (wrn,
+dynamicconv) → techniques → memory, and the two tracks never import each other. ``config`` (the stage-parameter
+resolver) and ``runs`` (the run store) serve every layer and import no other lowmem module."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "lowmem"
+LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "studies": 3, "pipeline": 4, "fairseq_user_dir": 5}
+COMMON = ("config", "runs")
+
+
+def _part(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PACKAGE.rglob("*.py")):
+        rel = f.relative_to(ROOT).with_suffix("")
+        out[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = f
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every lowmem module or package the file imports, lazy imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("lowmem.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lowmem"):
+            for a in node.names:
+                found.add(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module)
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import; lowmem uses absolute imports")
+    return found
+
+
+MODULES = _modules()
+
+
+def test_every_module_lives_in_a_layer_or_is_common() -> None:
+    for m in MODULES:
+        if m == "lowmem":
+            continue
+        assert _part(m) in LAYER or _part(m) in COMMON, f"{m} is in no layer: put it under one of {sorted(LAYER)}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m != "lowmem"))
+def test_imports_point_down_the_layers(module: str) -> None:
+    here = _part(module)
+    for target in sorted(_imports(MODULES[module])):
+        if target == "lowmem":
+            raise AssertionError(f"{module}: `from lowmem import X` hides the layer; import from lowmem.<layer>")
+        there = _part(target)
+        if here in COMMON:
+            assert there in COMMON and there != here, f"{module} (common) imports {target}: common modules import no layer"
+            continue
+        if there in COMMON or there == here:
+            continue
+        assert LAYER[there] < LAYER[here], f"{module} imports {target}: {here} may import only layers below it"
+
+
+def test_the_rule_would_catch_an_upward_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from lowmem.studies.frontier import pareto\n")
+    assert "lowmem.studies.frontier" in _imports(bad)
+
+
+def test_the_fairseq_user_dir_is_alone_in_its_parent() -> None:
+    """fairseq puts the parent of --user-dir on sys.path: nothing else may be importable from there."""
+    parent = PACKAGE / "fairseq_user_dir"
+    assert sorted(p.name for p in parent.iterdir() if p.name != "__pycache__") == ["lowmem_fairseq"]
