@@ -159,3 +159,14 @@ def test_the_trainer_takes_a_checkpoint_strategy() -> None:
 def test_unknown_strategies_list_the_valid_ones(bad: str) -> None:
     with pytest.raises(ValueError, match="none, block, every-K, sqrt, selective, optimal-B"):
         checkpoint.parse(bad)
+
+
+def test_strategies_are_a_registry_and_an_unknown_name_lists_them() -> None:
+    from lowmem.techniques import checkpoint
+
+    assert checkpoint.plan("every-2", 5) == [(0, 2, True), (2, 4, True), (4, 5, True)]
+    assert checkpoint.plan("sqrt", 9) == checkpoint.plan("every-3", 9)
+    assert checkpoint.plan("none", 4) == [(0, 4, False)]
+    for bad in ("fastest", "every", "every-0", "every-1.5", "block-2", "optimal"):
+        with pytest.raises(ValueError, match="none, block, every-K, sqrt, selective, optimal-B"):
+            checkpoint.parse(bad)

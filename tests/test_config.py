@@ -3,7 +3,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lowmem.config import PROFILES, ParamError, main, resolve
+from lowmem import config
+from lowmem.config import PROFILES, STAGES, ParamError, load, resolve
+from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401  (registers the translation stages)
+from lowmem.pipeline.stage_params import main
+from lowmem.studies import params as _study_params  # noqa: F401  (registers the WRN stages)
 
 PARAMS = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
 
@@ -42,7 +46,34 @@ def test_cli_stops_before_writing_anything(tmp_path: Path, capsys: pytest.Captur
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(with_({"profile": "huge"})))
     out = tmp_path / "resolved.yaml"
-    assert main(["memory_profile", "--params", str(bad), "--out", str(out)]) == 2
+    assert main(["--params", str(bad), "--out", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err
     assert "base.profile" in err and "smoke, cpu, paper" in err
+
+
+def test_one_resolver_serves_every_stage_of_both_tracks() -> None:
+    assert set(STAGES) == {"memory_profile", "baseline", "checkpointing", "microbatching", "precision", "sparsity",
+                           "translation_data", "translation_train", "translation_evaluate", "translation_memory",
+                           "translation_techniques"}
+    cpu = {**PARAMS, "base": {**PARAMS["base"], "profile": "cpu"}}
+    techniques = resolve("translation_techniques", cpu)
+    # FROM: read from the translation_train block; INHERITS: the baseline block resolved whole.
+    assert techniques["max_tokens"] == config.pick(PARAMS["translation_train"]["max_tokens"], "cpu")
+    assert resolve("sparsity", cpu)["train"] == resolve("baseline", cpu)
+
+
+def test_an_unknown_stage_lists_the_known_ones() -> None:
+    with pytest.raises(ParamError, match="translation_train"):
+        resolve("translation", PARAMS)
+
+
+def test_load_without_a_source_is_the_smoke_profile_of_params_yaml(tmp_path: Path) -> None:
+    p = load("sparsity")
+    assert p.profile == "smoke"
+    smoke = {**PARAMS, "base": {**PARAMS["base"], "profile": "smoke"}}
+    assert p.__dict__ == type(p)(**resolve("sparsity", smoke)).__dict__
+    resolved = tmp_path / "sparsity.yaml"
+    resolved.write_text(yaml.safe_dump(resolve("sparsity", {**PARAMS, "base": {**PARAMS["base"], "profile": "cpu"}})))
+    assert load("sparsity", resolved).profile == "cpu"
+    assert load("sparsity", resolved, device="cpu").device == "cpu"

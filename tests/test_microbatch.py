@@ -121,3 +121,13 @@ def test_convert_norm_replaces_every_batchnorm() -> None:
         assert m(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError, match="batch, group, renorm"):
         convert_norm(build_model("wrn-10-1"), "layer")
+
+
+def test_norms_are_a_registry_and_an_unknown_name_lists_them() -> None:
+    from lowmem.techniques import microbatch
+
+    assert microbatch.NORMS == ("batch", "group", "renorm")
+    with pytest.raises(ValueError, match="batch, group, renorm"):
+        microbatch.convert_norm(nn.Sequential(nn.BatchNorm2d(8)), "layer")
+    m = microbatch.convert_norm(nn.Sequential(nn.BatchNorm2d(8), nn.Sequential(nn.BatchNorm2d(16))), "group")
+    assert [type(x).__name__ for x in m.modules()] == ["Sequential", "GroupNorm", "Sequential", "GroupNorm"]

@@ -228,3 +228,11 @@ def test_the_recipes_reference_count_is_wrn_28_2s_sparse_layer_weights() -> None
     """The techniques layer writes WRN-28-2's sparse-layer weights from its shapes (it builds no model)."""
     with torch.device("meta"):
         assert sparsity.RECIPE_SPARSE_WEIGHTS == sparsity.sparse_weight_count(build_model("wrn-28-2"))
+
+
+def test_sparse_methods_are_a_registry_and_an_unknown_name_lists_them() -> None:
+    with pytest.raises(ValueError, match="dsr, static"):
+        sparsity.sparsify(build_model("wrn-10-1"), 0.5, "rigl")
+    w = torch.tensor([[0.1, -3.0], [2.0, 0.5]])
+    keep = sparsity.keep_mask(w, 2, "static", torch.Generator().manual_seed(0))
+    assert keep.tolist() == [False, True, True, False]  # the two largest magnitudes

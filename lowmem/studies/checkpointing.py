@@ -1,13 +1,19 @@
 """Gradient checkpointing of WRN compared across strategies (notebook 06): exact memory at full size on the meta
-device, recompute FLOPs counted, and the step-time ratio measured against no checkpointing in one run."""
+device, recompute FLOPs counted, and the step-time ratio measured against no checkpointing in one run.
+
+``comparison`` and ``planner_frontier`` compute the study; ``caption``, ``reading``, ``figure`` and ``metrics`` are
+what the notebook shows and writes."""
 
 from __future__ import annotations
 
 import statistics
 import time
 
+import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
 import torch
+from matplotlib.figure import Figure
 from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.config import resolve_device
@@ -111,3 +117,81 @@ def verified(p: CheckpointingParams) -> pd.DataFrame:
             row.update(check_accounted_ws_mib=with_ws / MIB, check_gap_ws_pct=100 * (with_ws - measured) / measured)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# --- what notebook 06 shows: the table, caption, reading, figure and metrics --------------------------------------
+
+
+def comparison(p: CheckpointingParams) -> pd.DataFrame:
+    """One row per strategy: ``accounted``, ``step_times`` and ``verified`` side by side."""
+    return accounted(p).merge(step_times(p), on="strategy").merge(verified(p), on="strategy")
+
+
+def caption(p: CheckpointingParams, table: pd.DataFrame) -> str:
+    """What the table and the figure show: how memory, recompute, step time and the check were obtained."""
+    device = table.device.iloc[0]
+    return (
+        f"{p.model}, fp32, SGD. Memory: lowmem accountant on the meta device at batch {p.batch_size} (exact, any profile). "
+        f"Recompute: extra conv/matmul FLOPs per step, in forward passes. Step time: median of {p.timing_repeats} "
+        f"interleaved step(s) at batch {p.timing_batch_size} on {device}, profile `{p.profile}`; synthetic inputs. "
+        f"check_*: accounted vs measured peak at that batch on {device} (ws: with each op's measured CPU workspace)."
+    )
+
+
+def reading(p: CheckpointingParams, table: pd.DataFrame) -> str:
+    """The result in words (Markdown): memory without checkpointing, the least, its cost, and the accountant's check."""
+    none = table.set_index("strategy").loc["none"]
+    best = table.loc[table.activations_mib.idxmin()]
+    text = (
+        f"Without checkpointing the step keeps **{none.activations_mib:.0f} MiB** of activations (peak {none.peak_mib:.0f} MiB). "
+        f"The least is **{best.activations_mib:.0f} MiB** with `{best.strategy}` (peak {best.peak_mib:.0f} MiB), at "
+        f"{best.extra_forward_flops:.2f} extra forward passes and a measured step-time ratio of **{best.step_time_ratio:.2f}x**. "
+        f"Checked for real at batch {p.timing_batch_size}: the accounted peak is within "
+        f"{table.check_gap_pct.abs().max():.2f}% of the measured one counting tensors only"
+    )
+    if "check_gap_ws_pct" in table:
+        return text + f", and within {table.check_gap_ws_pct.abs().max():.2f}% with each op's CPU workspace added."
+    return text + "."
+
+
+def figure(p: CheckpointingParams, table: pd.DataFrame, front: pd.DataFrame, caption: str) -> Figure:
+    """Left: each strategy against the planner's memory-recompute Pareto front. Right: accounted activations and
+    peak per strategy, labelled with the measured step-time ratio."""
+    sns.set_theme(style="whitegrid")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"wspace": 0.3})
+    ax1.step(front.planner_recompute, front.planner_activations_mib, where="post", color="0.3",
+             label="optimal (planner's Pareto front)")
+    simple = table[table.strategy != "selective"]
+    sns.scatterplot(simple, x="planner_recompute", y="planner_activations_mib", hue="strategy", s=90, ax=ax1, zorder=3)
+    ax1.set(xlabel="recompute (forward passes of the model, planner's model)",
+            ylabel="activation memory (MiB, planner's model)",
+            title="Memory–recompute trade-off: strategies on or above the optimum")
+    long = table.melt(id_vars=["strategy", "step_time_ratio"], value_vars=["activations_mib", "peak_mib"],
+                      var_name="what", value_name="MiB")
+    long["what"] = long.what.map({"activations_mib": "activations (max)", "peak_mib": "total peak"})
+    sns.barplot(long, x="strategy", y="MiB", hue="what", ax=ax2, palette="colorblind")
+    for i, r in enumerate(table.itertuples()):
+        ax2.annotate(f"{r.step_time_ratio:.2f}x", (i, r.peak_mib), ha="center", va="bottom", fontsize=9)
+    ax2.set(xlabel="", ylabel="MiB (accounted, exact)", title=f"Accounted memory at batch {p.batch_size}; label: step-time ratio")
+    ax2.tick_params(axis="x", rotation=30)
+    sns.move_legend(ax2, "upper right", title=None)
+    fig.suptitle(f"{p.model} gradient checkpointing · profile: {p.profile} · inputs: synthetic (shapes only)", y=1.02)
+    fig.text(0.5, -0.1, caption, ha="center", wrap=True, fontsize=8)
+    return fig
+
+
+def metrics(p: CheckpointingParams, table: pd.DataFrame) -> dict:
+    """The metrics DVC tracks: each strategy's memory, recompute and step-time ratio, and the accountant's check."""
+    out = {
+        "profile": p.profile, "model": p.model, "batch_size": p.batch_size, "timing_batch_size": p.timing_batch_size,
+        "timing_device": table.device.iloc[0],
+        "strategies": {
+            r.strategy: {"activations_mib": round(r.activations_mib, 2), "peak_mib": round(r.peak_mib, 2),
+                         "extra_forward_flops": round(r.extra_forward_flops, 4), "step_time_ratio": round(r.step_time_ratio, 3)}
+            for r in table.itertuples()
+        },
+        "check_max_abs_gap_pct": round(float(table.check_gap_pct.abs().max()), 3),
+    }
+    if "check_gap_ws_pct" in table:
+        out["check_max_abs_gap_with_cpu_workspace_pct"] = round(float(table.check_gap_ws_pct.abs().max()), 3)
+    return out

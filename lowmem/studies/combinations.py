@@ -38,6 +38,7 @@ from lowmem.config import PROFILES, ParamError, pick, resolve, resolve_device
 from lowmem.dynamicconv import translation
 from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTechniquesParams
 from lowmem.memory.accounting import CATEGORIES, MIB
+from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.techniques import precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load

@@ -5,16 +5,26 @@ paper's headline numbers.
 Plain pandas on a table with one row per configuration, so the same code reads a cpu-profile run or a GPU run.
 Quality is a change against the baseline (accuracy points or BLEU; higher is better) and memory a reduction factor
 (baseline peak / configuration's peak; higher is better).
+
+The end of the module is notebook 09's: ``study`` reads the sweeps, the trained runs and the budgets; ``figure``,
+``budget_table``, ``paper_comparison``, their captions, ``tables`` and ``metrics`` make what the notebook shows and
+writes.
 """
 
 from __future__ import annotations
 
 import json
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
+import seaborn as sns
 import yaml
+from matplotlib.figure import Figure
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -150,3 +160,187 @@ def write_readme_block(readme: Path, text: str) -> None:
 def readme_block(readme: Path) -> str:
     """The text between the README's headline markers."""
     return readme.read_text().split(README_BEGIN, 1)[1].split(README_END, 1)[0].strip()
+
+
+# --- notebook 09: the frontier, the budget tables and the comparison with the paper, from the stages' results -----
+
+MEMORY_AT = {"wrn": "WRN-28-2 at batch 128 (full size, accounted)",
+             "dynamicconv": "DynamicConv lightconv_iwslt_de_en at 4000 tokens (full size, accounted)"}
+QUALITY = {"wrn": "accuracy change (points)", "dynamicconv": "BLEU change"}
+METRIC_FIELDS = ("config", "reduction", "quality_change", "quality_spread", "time_ratio", "total_mib")
+
+
+@dataclass
+class Study:
+    """What notebook 09 reads: per task (in params.yaml's order of the ``combinations_<task>`` blocks) the accounted
+    and trained combinations (``results``), the quality budgets of params.yaml, the ``best_within`` table of each
+    budget, and what the trained runs were (``trained_on``: profile, model, data, schedule)."""
+
+    results: dict[str, pd.DataFrame]
+    budgets: dict[str, list[float]]
+    best: dict[str, pd.DataFrame]
+    trained_on: dict[str, str]
+    reference: dict[str, Any]
+
+    @property
+    def profile(self) -> dict[str, str]:
+        """The profile each task's quality and time come from."""
+        return {t: r.profile.iloc[0] for t, r in self.results.items()}
+
+
+def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Path) -> Study:
+    """Reads the sweeps (``sweep_dir``), the trained runs (``metrics_dir``: combinations/, stage 08's
+    translation_techniques_train.json and translation.json) and the budgets of ``params_path``."""
+    sweep_dir, metrics_dir = Path(sweep_dir), Path(metrics_dir)
+    params = yaml.safe_load(Path(params_path).read_text())
+    budgets = {k.removeprefix("combinations_"): v["budgets"] for k, v in params.items()
+               if k.startswith("combinations_")}
+    res = {task: results(task, sweep_dir, metrics_dir) for task in budgets}
+    wrn_files = sorted((metrics_dir / "combinations").glob("wrn-*.json"))
+    if not wrn_files:
+        raise FileNotFoundError(f"no trained WRN combination in {metrics_dir / 'combinations'}: "
+                                "run `dvc repro combination_wrn`")
+    wrn_run = json.loads(wrn_files[0].read_text())  # every slot trains the same model, data and schedule
+    dc_run = json.loads((metrics_dir / "translation_techniques_train.json").read_text())
+    corpus = json.loads((metrics_dir / "translation.json").read_text())["corpus"]
+    profile = {t: r.profile.iloc[0] for t, r in res.items()}
+    trained_on = {
+        "wrn": f"profile `{profile['wrn']}`: {wrn_run['model']} on {wrn_run['data']}, {wrn_run['epochs']} epochs at "
+               f"batch {wrn_run['batch_size']}, seeds {wrn_run['seeds']}",
+        "dynamicconv": f"profile `{profile['dynamicconv']}`: the profile's DynamicConv on {corpus}, "
+                       f"{dc_run['max_update']} updates, seed {dc_run['seed']}",
+    }
+    best = {task: best_within(r, budgets[task]) for task, r in res.items()}
+    return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference())
+
+
+def overview(s: Study) -> str:
+    """One line per task (Markdown): how many combinations were accounted and trained, and the largest reduction."""
+    return "\n\n".join(
+        f"**{task}**: {len(r)} combinations accounted, {int(r.quality_change.notna().sum())} trained; "
+        f"best accounted reduction {r.reduction.max():.1f}x ({r.loc[r.reduction.idxmax(), 'name']})."
+        for task, r in s.results.items())
+
+
+FRONTIER_CAPTION = (
+    "Memory: accounted peak of one full-size training step (exact; the same in every profile). Quality: runs at "
+    "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: sd over "
+    "seeds. White points: time per step not measured at this profile.")
+
+
+def figure(s: Study) -> Figure:
+    """Figures/09_frontier.png: per task, memory reduction (log) against quality change (symlog) of every trained
+    combination, coloured by time per step, with the Pareto frontier, the paper's budget and a rug of every accounted
+    reduction."""
+    sns.set_theme(style="whitegrid")
+    fig, axes = plt.subplots(1, len(s.results), figsize=(15, 5.8), gridspec_kw={"wspace": 0.25})
+    norm = plt.Normalize(0.5, 2.5)
+    cmap = sns.color_palette("flare", as_cmap=True)
+    for ax, (task, r) in zip(axes, s.results.items()):
+        t = r[r.quality_change.notna()].sort_values("reduction")
+        timed = t.time_ratio.notna()
+        ax.scatter(t.reduction[timed], t.quality_change[timed], c=t.time_ratio[timed], cmap=cmap, norm=norm, s=70,
+                   edgecolor="black", zorder=3)
+        if (~timed).any():
+            ax.scatter(t.reduction[~timed], t.quality_change[~timed], facecolor="white", edgecolor="black", s=70,
+                       zorder=3, label="time not measured")
+        if t.quality_spread.notna().any():
+            ax.errorbar(t.reduction, t.quality_change, yerr=t.quality_spread, fmt="none", ecolor="grey", lw=0.8,
+                        zorder=2)
+        front = t[t.pareto].sort_values("reduction")
+        ax.plot(front.reduction, front.quality_change, color="black", lw=1.2, zorder=1, label="Pareto frontier")
+        for row in t.itertuples():
+            if row.techniques <= 1 or row.pareto:
+                ax.annotate(row.name, (row.reduction, row.quality_change), textcoords="offset points", xytext=(5, 5),
+                            fontsize=7)
+        # symlog: losses of tenths of a point and a collapsed run of tens of points on one axis
+        ax.set_yscale("symlog", linthresh=1)
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo * 1.8 if lo < -1 else lo - 0.8, hi)
+        ax.plot(r.reduction, np.full(len(r), ax.get_ylim()[0]), "|", color="grey", alpha=0.4, ms=8)
+        ref = s.reference["tasks"][task]
+        ax.axhline(ref["quality_change"], color="tab:blue", ls=":", lw=1)
+        ax.text(1.02, ref["quality_change"], f"paper's budget ({ref['quality_change']:+g})", color="tab:blue",
+                fontsize=7, va="bottom")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xscale("log")
+        ax.set(xlabel=f"memory reduction (x, log scale)\n{MEMORY_AT[task]}", ylabel=f"{QUALITY[task]} (symlog)",
+               title=f"{task}\n" + textwrap.fill(f"quality: {s.trained_on[task]}", 90))
+        ax.title.set_fontsize(8)
+        ax.legend(loc="upper right", fontsize=7)
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
+                 label="time per step / baseline (active profile)", shrink=0.8)
+    fig.text(0.5, -0.02, FRONTIER_CAPTION, ha="center", va="top", wrap=True, fontsize=8)
+    return fig
+
+
+def budget_table(s: Study, task: str) -> pd.DataFrame:
+    """For each budget of ``task``, the trained combination with the largest memory reduction within it, with its
+    memory by category and in total (the sweep's ``<category>_mib`` columns, in its order), quality change, spread
+    over seeds, time ratio and the stage that trained it."""
+    memory = [c for c in s.results[task].columns if c.endswith("_mib")]
+    columns = ["budget", "name", "role", *memory, "reduction", "quality_change", "quality_spread", "time_ratio",
+               "trained_by"]
+    return s.best[task].reindex(columns=columns)
+
+
+def budget_caption(s: Study, task: str) -> str:
+    """The caption of ``budget_table``: what memory, quality and time mean for ``task``."""
+    return (f"{task}: best memory reduction within each budget of {QUALITY[task]}. Memory: {MEMORY_AT[task]}, "
+            f"MiB = 2^20 bytes at the step's peak. Quality: {s.trained_on[task]}. Time ratio: per step against the "
+            f"baseline, measured at profile `{s.profile[task]}`.")
+
+
+def _best_configs(s: Study) -> dict[str, pd.DataFrame]:
+    """``best`` with the combination's name as its ``config`` (what ``comparison`` and the metrics read)."""
+    return {t: b.drop(columns=["config"], errors="ignore").rename(columns={"name": "config"})
+            for t, b in s.best.items()}
+
+
+def paper_comparison(s: Study) -> pd.DataFrame:
+    """Our best reduction within the paper's own quality budget beside the paper's headline (``comparison``), each
+    row labelled with the profile, model and data of our quality and the setting of our memory."""
+    label = {t: f"{s.trained_on[t]}; memory: {MEMORY_AT[t]}" for t in s.results}
+    return comparison(_best_configs(s), s.reference, label)
+
+
+def comparison_caption(s: Study) -> str:
+    """The caption of ``paper_comparison``: where the paper's numbers and ours come from."""
+    return (f"Paper: {s.reference['citation']}. Ours: memory reduction accounted at full size, quality change from the "
+            "stated profile. At the cpu profile the quality is measured on a smaller model and offline data, not "
+            "CIFAR-10 or IWSLT'14.")
+
+
+def tables(s: Study) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables notebook 09 writes under figures/, by file name (no suffix): (rounded table, caption)."""
+    out = {f"09_{task}_budgets": (budget_table(s, task).round(4), budget_caption(s, task)) for task in s.results}
+    out["09_paper_comparison"] = (paper_comparison(s).round(3), comparison_caption(s))
+    return out
+
+
+def _metric_row(row: pd.Series) -> dict[str, Any]:
+    """A budget table's row as JSON: floats rounded to 4 places, missing values as null."""
+    def value(k: str) -> Any:
+        x = row.get(k)
+        if pd.isna(x):
+            return None
+        return round(float(x), 4) if isinstance(x, (float, np.floating)) else x
+    return {k: value(k) for k in METRIC_FIELDS}
+
+
+def metrics(s: Study) -> dict[str, Any]:
+    """metrics/combinations.json: the profile of each task, the paper's headline, and per task how many combinations
+    were accounted and trained, the largest accounted reduction and the best combination within each budget."""
+    best = _best_configs(s)
+    summary: dict[str, Any] = {
+        "profile": s.profile,
+        "paper": {t: {"reduction": v["memory_reduction"], "quality_change": v["quality_change"]}
+                  for t, v in s.reference["tasks"].items()},
+    }
+    for task, r in s.results.items():
+        summary[task] = {
+            "accounted": len(r), "trained": int(r.quality_change.notna().sum()),
+            "max_accounted_reduction": round(float(r.reduction.max()), 2),
+            "best_within": {f"{b:g}": _metric_row(row) for b, (_, row) in zip(s.budgets[task], best[task].iterrows())},
+        }
+    return summary

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
 import torch
+from matplotlib.figure import Figure
 
 from lowmem.memory.accounting import CATEGORIES, MIB, account_step
 from lowmem.studies.params import MicrobatchingParams
@@ -56,3 +59,67 @@ def summary(acc: pd.DataFrame) -> pd.DataFrame:
     full = out.groupby("norm").apply(lambda g: g.loc[g.microbatch.idxmax(), "images_per_s"], include_groups=False)
     out["throughput_vs_full_batch"] = out.images_per_s / out.norm.map(full)
     return out.drop(columns=["seeds", "peak_mem_method"])
+
+
+# --- what notebook 05 shows: captions, the figure, the tables and the metrics ------------------------------------
+
+
+def memory_caption(p: MicrobatchingParams) -> str:
+    """The caption of the memory table (``memory``)."""
+    return (f"{p.model}, fp32, SGD, minibatch B = {p.batch_size} split into microbatches of b; accounted at full size on "
+            f"the meta device (exact, the same in every profile). MiB at the step's peak.")
+
+
+def accuracy_caption(p: MicrobatchingParams, base: BaselineParams, runs: pd.DataFrame) -> str:
+    """The caption of the accuracy table (``summary`` of the trained ``runs``): recipe, data, seeds, profile."""
+    return (f"{base.model} trained {base.epochs} epoch(s), minibatch B = {base.batch_size}, on {runs.data.iloc[0]}: "
+            f"{int(runs.train_examples.iloc[0])} train / {int(runs.test_examples.iloc[0])} test images, seeds {p.train_seeds}, "
+            f"profile `{p.profile}`. Throughput: training images/s relative to b = B, same normalization, same run.")
+
+
+def figure(p: MicrobatchingParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame, acc: pd.DataFrame) -> Figure:
+    """Three panels against the microbatch size b, per normalization: accounted peak, test accuracy, and training
+    throughput relative to b = B."""
+    sns.set_theme(style="whitegrid")
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.6), gridspec_kw={"wspace": 0.35})
+    sns.lineplot(mem, x="microbatch", y="peak_mib", hue="norm", style="norm", markers=True, dashes=True, ax=ax1)
+    ax1.set_xscale("log", base=2)
+    ax1.set_yscale("log")
+    ax1.xaxis.set_major_formatter(plt.ScalarFormatter())
+    ax1.yaxis.set_major_formatter(plt.ScalarFormatter())
+    ax1.set(xlabel="microbatch size b", ylabel="peak memory (MiB, log)", title=f"{p.model}, B = {p.batch_size}: accounted peak")
+    sns.lineplot(runs, x="microbatch", y="test_acc", hue="norm", style="norm", markers=True, errorbar="sd", ax=ax2)
+    ax2.set_xscale("log", base=2)
+    ax2.xaxis.set_major_formatter(plt.ScalarFormatter())
+    ax2.set(xlabel="microbatch size b", ylabel="test accuracy (mean ± sd over seeds)",
+            title=f"{base.model} on {base.dataset}, B = {base.batch_size}")
+    sns.barplot(acc, x="microbatch", y="throughput_vs_full_batch", hue="norm", ax=ax3)
+    ax3.set(xlabel="microbatch size b", ylabel="training throughput / throughput at b = B", title="Throughput cost")
+    fig.suptitle(f"Microbatching · memory: full size, any profile · accuracy and time: profile {p.profile}, "
+                 f"data: {runs.data.iloc[0]}", y=1.03)
+    fig.text(0.5, -0.12, memory_caption(p) + " " + accuracy_caption(p, base, runs), ha="center", wrap=True, fontsize=8)
+    return fig
+
+
+def tables(p: MicrobatchingParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame,
+           acc: pd.DataFrame) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables written under figures/, by file name (no suffix): (rounded table, caption)."""
+    return {
+        "05_microbatching_memory": (mem.round(4), memory_caption(p)),
+        "05_microbatching_accuracy": (acc.round(5), accuracy_caption(p, base, runs)),
+    }
+
+
+def metrics(p: MicrobatchingParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame,
+            acc: pd.DataFrame) -> dict[str, Any]:
+    """The stage's metrics JSON (metrics/microbatching.json): BatchNorm's accounted peak per b, and accuracy and
+    relative throughput per (norm, b)."""
+    batchnorm = mem[mem.norm == "batch"].set_index("microbatch")
+    return {
+        "profile": p.profile, "memory_model": p.model, "memory_batch_size": p.batch_size,
+        "peak_mib_batchnorm": {f"b{b}": round(float(v), 2) for b, v in batchnorm.peak_mib.items()},
+        "train_model": base.model, "train_data": runs.data.iloc[0], "train_batch_size": base.batch_size,
+        "accuracy": {f"{r.norm}_b{r.microbatch}": {"test_acc_mean": r.test_acc_mean, "test_acc_std": r.test_acc_std,
+                                                   "throughput_vs_full_batch": round(float(r.throughput_vs_full_batch), 3)}
+                     for r in acc.itertuples()},
+    }

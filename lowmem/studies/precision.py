@@ -7,8 +7,11 @@ import statistics
 import time
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
 import torch
+from matplotlib.figure import Figure
 
 from lowmem.config import resolve_device
 from lowmem.memory.accounting import CATEGORIES, MIB, StepFn, account_step
@@ -115,3 +118,127 @@ def verified(p: PrecisionParams) -> pd.DataFrame:
             row.update(accounted_ws_mib=with_ws / MIB, gap_ws_pct=100 * (with_ws - measured) / measured)
         rows.append({**row, "method": how})
     return pd.DataFrame(rows)
+
+
+# --- what notebook 04 shows: the trained table, captions, the reading, the figure, the tables and the metrics --------
+
+FIXED_PARTS = ["weights_mib", "weight_copies_mib", "gradients_mib", "optimizer_mib"]  # what activations' size leaves
+
+
+def trained(acc: pd.DataFrame, times: pd.DataFrame, checks: pd.DataFrame) -> pd.DataFrame:
+    """One row per trained mode: its accuracy (``summary``), its timed step (``step_times``) and its check
+    (``verified``, columns prefixed ``check_``)."""
+    acc = acc.merge(times[["mode", "step_s", "step_time_ratio"]].rename(columns={"step_s": "timed_step_s"}), on="mode")
+    checked = checks.drop(columns=["check_batch_size"]).add_prefix("check_").rename(columns={"check_mode": "mode"})
+    return acc.merge(checked, on="mode")
+
+
+def memory_caption(p: PrecisionParams) -> str:
+    """The caption of the memory table (``memory``)."""
+    return (f"{p.model}, SGD with momentum, minibatch B = {p.batch_size} (split into microbatches of b where b < B); "
+            f"accounted at full size (exact, the same in every profile). MiB at the step's peak. `weights`: the "
+            f"parameters as stored (fp32 in fp32 and mixed modes, where they are the master copy; 16-bit in half "
+            f"modes); `weight_copies`: autocast's 16-bit copies of them.")
+
+
+def accuracy_caption(p: PrecisionParams, base: BaselineParams, runs: pd.DataFrame, times: pd.DataFrame) -> str:
+    """The caption of the trained table (``trained``): recipe, data, seeds, profile, and where it was timed."""
+    device = times.device.iloc[0]
+    return (f"{base.model} trained {base.epochs} epoch(s), batch {base.batch_size}, on {runs.data.iloc[0]}: "
+            f"{int(runs.train_examples.iloc[0])} train / {int(runs.test_examples.iloc[0])} test images, seeds {p.train_seeds}, "
+            f"profile `{p.profile}`. Skipped: steps skipped for non-finite gradients (max over seeds). Step time: "
+            f"{p.model} at batch {p.timing_batch_size} on {device}, median of {p.timing_repeats}, modes interleaved, "
+            f"ratio against fp32. Check: accounted vs measured peak at batch {p.check_batch_size} on {device}.")
+
+
+def reading(p: PrecisionParams, mem: pd.DataFrame, acc: pd.DataFrame, times: pd.DataFrame) -> str:
+    """What the tables say, as Markdown bullets computed from them (``acc`` is the ``trained`` table)."""
+    full, small = max(p.memory_microbatches), min(p.memory_microbatches)
+    m = mem.set_index(["mode", "microbatch"])
+    lines = []
+    for b in (full, small):
+        best = m.xs(b, level="microbatch").reduction_vs_fp32
+        lines.append(f"- b = {b}: fp32 peaks at **{m.loc[('fp32', b), 'peak_mib']:.1f} MiB**; "
+                     + ", ".join(f"{mode} {r:.2f}x" for mode, r in best.items() if mode != "fp32") + ".")
+    mixed = [x for x in p.modes if x.startswith("mixed")]
+    if mixed:
+        mx = mixed[0]
+        lines.append(
+            f"- Why mixed saves less: it halves the activations, but keeps fp32 weights, gradients and momentum and adds "
+            f"a 16-bit copy of the weights: at b = {small} those come to {m.loc[(mx, small), FIXED_PARTS].sum():.1f} MiB "
+            f"against fp32's {m.loc[('fp32', small), FIXED_PARTS].sum():.1f} MiB, so where activations are small "
+            f"(microbatching) mixed precision saves {'nothing' if m.loc[(mx, small), 'reduction_vs_fp32'] <= 1 else 'little'}. "
+            "Only half mode shrinks the weights, gradients and optimizer state too."
+        )
+    a = acc.set_index("mode")
+    for mode in a.index:
+        if mode == "fp32":
+            continue
+        lines.append(f"- {mode}: accuracy {a.loc[mode, 'test_acc_mean']:.4f} ± {a.loc[mode, 'test_acc_std']:.4f} "
+                     f"({a.loc[mode, 'acc_change_vs_fp32']:+.4f} vs fp32), {int(a.loc[mode, 'skipped_steps_max'])} skipped "
+                     f"steps, step time {a.loc[mode, 'step_time_ratio']:.2f}x fp32 ({p.model}, {times.device.iloc[0]}).")
+    untrained = [x for x in p.modes if x not in p.train_modes]
+    if untrained:
+        lines.append(f"- Not trained in profile `{p.profile}`: {', '.join(untrained)} (memory accounted above only).")
+    return "\n".join(lines)
+
+
+def figure(p: PrecisionParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame, acc: pd.DataFrame,
+           times: pd.DataFrame) -> Figure:
+    """Four panels: the accounted peak by category per mode for the whole batch and the smallest microbatch,
+    accuracy per trained mode, and the step-time ratio against fp32."""
+    sns.set_theme(style="whitegrid")
+    device = times.device.iloc[0]
+    full, small = max(p.memory_microbatches), min(p.memory_microbatches)
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.8), gridspec_kw={"wspace": 0.45, "width_ratios": [1.2, 1.2, 1, 1]})
+    parts = [*FIXED_PARTS, "activations_mib", "other_mib"]
+    colors = sns.color_palette("colorblind", len(parts))
+    for ax, b in zip(axes[:2], (full, small)):
+        d = mem[mem.microbatch == b].set_index("mode")[parts]
+        d.columns = [c.removesuffix("_mib").replace("_", " ") for c in parts]
+        d.plot.barh(stacked=True, ax=ax, color=colors, legend=(b == small), width=0.7)
+        for i, (_, r) in enumerate(mem[mem.microbatch == b].set_index("mode").iterrows()):
+            ax.annotate(f" {r.peak_mib:.1f} ({r.reduction_vs_fp32:.2f}x)", (r.peak_mib, i), va="center", fontsize=9)
+        ax.invert_yaxis()
+        what = "whole batch" if b == p.batch_size else f"microbatches b = {b}"
+        ax.set(xlabel="MiB at the step's peak (accounted, exact)", ylabel="", title=f"{p.model}: {what} of B = {p.batch_size}")
+        ax.set_xlim(0, d.sum(axis=1).max() * 1.35)
+    axes[1].legend(loc="lower right", fontsize=8)
+    sns.pointplot(runs, x="mode", y="test_acc", errorbar="sd", linestyle="none", ax=axes[2], order=p.train_modes)
+    axes[2].set(xlabel="", ylabel="test accuracy (mean ± sd over seeds)", title=f"{base.model} on {base.dataset}")
+    sns.barplot(acc, x="mode", y="step_time_ratio", ax=axes[3], order=p.train_modes, color=colors[0])
+    axes[3].axhline(1, color="0.3", lw=1)
+    axes[3].set(xlabel="", ylabel="step time / fp32 step time", title=f"{p.model} step, batch {p.timing_batch_size}, {device}")
+    for ax in axes[2:]:
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle(f"Low precision · memory: full size, any profile · accuracy and time: profile {p.profile}, "
+                 f"data: {runs.data.iloc[0]}", y=1.03)
+    fig.text(0.5, -0.14, memory_caption(p) + " " + accuracy_caption(p, base, runs, times), ha="center", wrap=True, fontsize=8)
+    return fig
+
+
+def tables(p: PrecisionParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame, acc: pd.DataFrame,
+           times: pd.DataFrame) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables written under figures/, by file name (no suffix): (rounded table, caption)."""
+    return {
+        "04_precision_memory": (mem.round(4), memory_caption(p)),
+        "04_precision_accuracy": (acc.round(5), accuracy_caption(p, base, runs, times)),
+    }
+
+
+def metrics(p: PrecisionParams, base: BaselineParams, mem: pd.DataFrame, runs: pd.DataFrame, acc: pd.DataFrame,
+            times: pd.DataFrame) -> dict[str, Any]:
+    """The stage's metrics JSON (metrics/precision.json): peak and reduction per (mode, b), and per trained mode its
+    accuracy, skipped steps, step-time ratio and check gap."""
+    return {
+        "profile": p.profile, "memory_model": p.model, "memory_batch_size": p.batch_size,
+        "peak_mib": {f"{r.mode}_b{r.microbatch}": round(float(r.peak_mib), 2) for r in mem.itertuples()},
+        "reduction_vs_fp32": {f"{r.mode}_b{r.microbatch}": round(float(r.reduction_vs_fp32), 3) for r in mem.itertuples()},
+        "train_model": base.model, "train_data": runs.data.iloc[0], "train_batch_size": base.batch_size,
+        "timing_device": times.device.iloc[0],
+        "trained": {r.mode: {"test_acc_mean": r.test_acc_mean, "test_acc_std": r.test_acc_std,
+                             "acc_change_vs_fp32": round(float(r.acc_change_vs_fp32), 5),
+                             "skipped_steps_max": int(r.skipped_steps_max), "step_time_ratio": round(float(r.step_time_ratio), 3),
+                             "check_gap_pct": round(float(r.check_gap_pct), 3)}
+                    for r in acc.itertuples()},
+    }

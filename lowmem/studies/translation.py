@@ -5,7 +5,8 @@ side by side at the active profile, and step times measured by alternating short
 Every run is ``fairseq-train`` with translation_train's command, lowmem's plugin, and the technique's options
 appended (``plugin_args``); the baseline runs through the same plugin with no option, so it is the same model.
 Trained runs are evaluated on their last checkpoint without averaging, as a DSR run's checkpoints cannot be
-averaged (its sparse patterns move).
+averaged (its sparse patterns move). The captions, figures, tables and metrics of notebook 08 are at the end
+(``results`` reads the training stage's result, or runs it where a notebook opens before ``dvc repro``).
 
     python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import subprocess
@@ -21,10 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
+import torch
+import yaml
+from matplotlib.figure import Figure
 
 from lowmem import runs
-from lowmem.config import ParamError, load, resolve
+from lowmem.config import PARAMS_YAML, ParamError, load, resolve
 from lowmem.dynamicconv import corpus, translation
 from lowmem.dynamicconv import memory as translation_memory
 from lowmem.dynamicconv.params import (
@@ -124,15 +131,140 @@ def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> di
             "time_ratio": {n: round(float(per[n] / per["baseline"]), 3) for n in p.timed}}
 
 
-def run_at_profile(params: dict[str, Any], data_dir: Path) -> dict[str, Any]:
-    """What the stages do, for a notebook opened where the pipeline has not run: the corpus prepared if missing,
-    then ``run`` at the profile of ``params`` (a parsed params.yaml)."""
+@dataclasses.dataclass
+class Trained:
+    """What stage translation_techniques_train recorded (``run``'s result) and the corpus the runs trained on."""
 
-    if not (data_dir / "bin" / "corpus.json").exists():
-        data = TranslationDataParams(**resolve("translation_data", params))
-        translation.prepare(data, data_dir)
-        translation.binarize(data, data_dir)
-    return run(TranslationTechniquesParams(**resolve("translation_techniques", params)), data_dir)
+    runs: dict[str, Any]
+    corpus: dict[str, Any]  # translation_binarize's bin/corpus.json
+
+
+def results(p: TranslationTechniquesParams, data_dir: str | Path, train_path: str | Path) -> Trained:
+    """The training stage's result; when ``train_path`` is missing (a notebook opened before ``dvc repro``), runs it
+    here: the corpus prepared at ``p.profile`` (this checkout's params.yaml) if missing, then ``run``."""
+    data_dir, train_path = Path(data_dir), Path(train_path)
+    if not train_path.exists():
+        if not (data_dir / "bin" / "corpus.json").exists():
+            params = yaml.safe_load(PARAMS_YAML.read_text())
+            params["base"].update(profile=p.profile, seed=p.seed)
+            data = TranslationDataParams(**resolve("translation_data", params))
+            translation.prepare(data, data_dir)
+            translation.binarize(data, data_dir)
+        runs.write_json(train_path, run(p, data_dir))
+    return Trained(json.loads(train_path.read_text()), json.loads((data_dir / "bin" / "corpus.json").read_text()))
+
+
+# --- what notebook 08 shows: captions, the figures, the tables and the metrics ---------------------------------------
+
+
+@functools.cache
+def _parameters(recipe_args: tuple[str, ...], src_vocab: int, tgt_vocab: int) -> int:
+    return translation_memory.parameter_count(list(recipe_args), src_vocab, tgt_vocab)
+
+
+def parameters_full_size(p: TranslationTechniquesParams) -> int:
+    """Parameters of the full-size dense model (built on meta once per recipe)."""
+    return _parameters(tuple(p.recipe_args), p.src_vocab, p.tgt_vocab)
+
+
+def memory_caption(p: TranslationTechniquesParams) -> str:
+    """The caption of the memory table (``memory``)."""
+    return (
+        f"lightconv_iwslt_de_en, full size ({parameters_full_size(p):,} parameters dense, vocabularies {p.src_vocab}/{p.tgt_vocab}), "
+        f"one update of {p.max_tokens} tokens in sentences of {p.reference_length}; accounted on the meta device with random "
+        f"tokens (memory depends only on shapes), the same in every profile. Reduction = baseline peak / technique's peak. "
+        f"MiB = 2^20 bytes."
+    )
+
+
+def memory_shown(mem: pd.DataFrame) -> pd.DataFrame:
+    """The memory table as the notebook shows it: the categories at the peak, the total, the reduction."""
+    return mem[["technique", "options", *[f"{c}_mib" for c in CATEGORIES], "total_mib", "reduction", "peak_phase"]]
+
+
+def memory_figure(p: TranslationTechniquesParams, mem: pd.DataFrame) -> Figure:
+    """One stacked bar per technique: the accounted peak by category, labelled with its total and reduction."""
+    sns.set_theme(style="whitegrid")
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(mem) + 1.5))
+    left = pd.Series(0.0, index=mem.technique)
+    for cat, color in zip(CATEGORIES, sns.color_palette("colorblind")):
+        vals = mem.set_index("technique")[f"{cat}_mib"].reindex(mem.technique)
+        ax.barh(mem.technique, vals, left=left, color=color, label=cat)
+        left += vals
+    for y, r in enumerate(mem.itertuples()):
+        ax.text(r.total_mib + 20, y, f"{r.total_mib:,.0f} MiB ({r.reduction:.2f}x)", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set(xlabel="MiB at the update's peak (accounted)", ylabel="", xlim=(0, mem.total_mib.max() * 1.35),
+           title=f"DynamicConv (full size), one update at {p.max_tokens} tokens · profile: {p.profile} · inputs: random tokens (shapes only)")
+    ax.legend(loc="lower right", frameon=True)
+    fig.text(0.5, -0.02, memory_caption(p), ha="center", va="top", wrap=True, fontsize=8)
+    return fig
+
+
+def run_table(mem: pd.DataFrame, t: Trained) -> pd.DataFrame:
+    """Per technique: its full-size memory beside the BLEU of its run and its time ratio (empty where not run)."""
+    ratio = pd.Series(t.runs["time_ratio"], name="time_ratio")
+    return mem[["technique", "options", "total_mib", "reduction"]].merge(pd.DataFrame(t.runs["trained"]), on="technique", how="left").merge(
+        ratio, left_on="technique", right_index=True, how="left")
+
+
+def run_caption(p: TranslationTechniquesParams, t: Trained) -> str:
+    """The caption of the run table: corpus, run length, seed, and where the times were taken."""
+    machine = "CPU" if p.device == "cpu" or not torch.cuda.is_available() else "GPU"
+    return (
+        f"BLEU: profile `{p.profile}`, corpus: {t.corpus['source']}; model as scaled for the profile, {t.runs['max_update']} "
+        f"updates per run, seed {t.runs['seed']}, last checkpoint. Only the paper profile is the paper's model on IWSLT'14. "
+        f"Memory: the full-size model as above. Time ratio: seconds per update against the baseline's, on this machine "
+        f"({machine}). Empty cells: not trained or not timed at this profile (params.yaml, translation_techniques)."
+    )
+
+
+def bleu_time_figure(p: TranslationTechniquesParams, t: Trained) -> Figure:
+    """Left: each trained run's BLEU change against the baseline; right: each timed run's seconds per update against
+    the baseline's of the same round (bars: median, lines: the rounds' span)."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"wspace": 0.45})
+    sns.barplot(pd.DataFrame(t.runs["trained"]), y="technique", x="bleu_change", hue="technique", palette="colorblind",
+                legend=False, ax=ax1)
+    ax1.axvline(0, color="black", lw=0.8)
+    for c in ax1.containers:
+        ax1.bar_label(c, fmt="%+.2f", padding=3, fontsize=8)
+    ax1.margins(x=0.25)
+    ax1.set(xlabel="BLEU change against the baseline (tokenized, fairseq)", ylabel="",
+            title=f"BLEU change · profile: {p.profile} · {t.corpus['source']}")
+    timing = pd.DataFrame(t.runs["timing"])
+    base = timing.query("technique == 'baseline'").groupby("repeat").seconds_per_update.median().rename("base")
+    timing = timing.merge(base, left_on="repeat", right_index=True)
+    timing["ratio"] = timing.seconds_per_update / timing.base
+    sns.barplot(timing, y="technique", x="ratio", hue="technique", palette="colorblind", legend=False, errorbar=("pi", 100), ax=ax2)
+    ax2.axvline(1, color="black", lw=0.8)
+    for c in ax2.containers:
+        ax2.bar_label(c, fmt="%.2fx", padding=3, fontsize=8)
+    ax2.margins(x=0.15)
+    ax2.set(xlabel="seconds per update / baseline's (median; lines span the repeats)", ylabel="",
+            title=f"Time per update · profile: {p.profile}")
+    fig.text(0.5, -0.06, run_caption(p, t), ha="center", va="top", wrap=True, fontsize=8)
+    return fig
+
+
+def tables(p: TranslationTechniquesParams, mem: pd.DataFrame, t: Trained) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables written under figures/, by file name (no suffix): (rounded table, caption)."""
+    return {
+        "08_translation_techniques_memory": (mem.round(4), memory_caption(p)),
+        "08_translation_techniques": (run_table(mem, t).round(4), run_caption(p, t)),
+    }
+
+
+def metrics(p: TranslationTechniquesParams, mem: pd.DataFrame, t: Trained) -> dict[str, Any]:
+    """The stage's metrics JSON (metrics/translation_techniques.json): memory per technique, BLEU and time ratios."""
+    return {
+        "profile": p.profile, "corpus": t.corpus["source"], "parameters_full_size": parameters_full_size(p),
+        "max_tokens": p.max_tokens, "updates_per_run": t.runs["max_update"],
+        "memory_mib": {r.technique: {**{c: round(getattr(r, f"{c}_mib"), 3) for c in CATEGORIES}, "total": round(r.total_mib, 3),
+                                     "reduction": round(r.reduction, 4)} for r in mem.itertuples()},
+        "bleu": {r["technique"]: {k: r[k] for k in ("bleu_tokenized", "sacrebleu", "bleu_change", "sacrebleu_change")}
+                 for r in t.runs["trained"]},
+        "time_ratio": t.runs["time_ratio"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lowmem.memory.accounting import forward_saved_bytes, recomputing
 
-STRATEGIES = ("none", "block", "every-K", "sqrt", "selective", "optimal-B")
+STRATEGIES = ("none", "block", "every-K", "sqrt", "selective", "optimal-B")  # as written in a spec
 Segment = tuple[int, int, bool]  # blocks [start, end), recomputed or not
 
 
@@ -49,12 +49,11 @@ class BlockCost:
 def parse(spec: str) -> tuple[str, float]:
     """'every-3' -> ('every', 3.0); 'optimal-0.5' -> ('optimal', 0.5); 'block' -> ('block', 0.0)."""
     name, _, arg = spec.partition("-")
-    ok = name in ("none", "block", "sqrt", "selective") and not arg
     try:
         value = float(arg) if arg else 0.0
     except ValueError:
         value = -1.0
-    ok = ok or (name == "every" and value >= 1 and value == int(value)) or (name == "optimal" and value >= 0 and arg != "")
+    ok = name in PLANNERS and (bool(arg) == (name in ARGUMENT_OK)) and (name not in ARGUMENT_OK or ARGUMENT_OK[name](value))
     if not ok:
         raise ValueError(f"unknown checkpoint strategy {spec!r}; use one of {', '.join(STRATEGIES)} (K an integer >= 1, B >= 0)")
     return name, value
@@ -133,20 +132,34 @@ def optimal(costs: list[BlockCost], max_recompute: float | None = None, max_memo
     return min(fits, key=lambda p: (p[0], p[1]))[2]
 
 
+def _every(n: int, k: int) -> list[Segment]:
+    return [(s, min(s + k, n), True) for s in range(0, n, k)]
+
+
+def _optimal(n: int, budget: float, costs: list[BlockCost] | None) -> list[Segment]:
+    if costs is None:
+        raise ValueError("the optimal strategy needs the chain's block costs")
+    return optimal(costs, max_recompute=budget * sum(c.flops for c in costs))
+
+
+# The strategies, by name: each plans the segments of a chain of n blocks from the spec's argument (and, for the
+# planner, the blocks' costs). ``selective`` checkpoints every block but saves its convolutions' outputs.
+Planner = Callable[[int, float, list[BlockCost] | None], list[Segment]]
+PLANNERS: dict[str, Planner] = {
+    "none": lambda n, _, __: [(0, n, False)],
+    "block": lambda n, _, __: _every(n, 1),
+    "selective": lambda n, _, __: _every(n, 1),
+    "sqrt": lambda n, _, __: _every(n, math.ceil(math.sqrt(n))),
+    "every": lambda n, k, __: _every(n, int(k)),
+    "optimal": _optimal,
+}
+# The strategies that take an argument, and what it must satisfy.
+ARGUMENT_OK: dict[str, Callable[[float], bool]] = {"every": lambda k: k >= 1 and k == int(k), "optimal": lambda b: b >= 0}
+
+
 def plan(spec: str, n: int, costs: list[BlockCost] | None = None) -> list[Segment]:
     name, value = parse(spec)
-    if name == "none":
-        return [(0, n, False)]
-    if name in ("block", "selective"):
-        value = 1
-    if name == "sqrt":
-        value = math.ceil(math.sqrt(n))
-    if name == "optimal":
-        if costs is None:
-            raise ValueError("the optimal strategy needs the chain's block costs")
-        return optimal(costs, max_recompute=value * sum(c.flops for c in costs))
-    k = int(value)
-    return [(s, min(s + k, n), True) for s in range(0, n, k)]
+    return PLANNERS[name](n, value, costs)
 
 
 def _save_conv_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # type: ignore[no-untyped-def]

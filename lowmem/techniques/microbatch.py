@@ -16,10 +16,10 @@ variance, which is the accuracy risk. The normalizations offered, per run:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
-
-NORMS = ("batch", "group", "renorm")
 
 
 def microbatches(x: torch.Tensor, y: torch.Tensor, size: int) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
@@ -64,23 +64,37 @@ class BatchRenorm2d(nn.BatchNorm2d):
         return x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
 
 
+def _group_norm(bn: nn.BatchNorm2d, name: str, groups: int) -> nn.Module:
+    c = bn.num_features
+    if c % groups:
+        raise ValueError(f"GroupNorm with {groups} groups needs channels divisible by {groups}; {name} has {c}")
+    return nn.GroupNorm(groups, c, eps=bn.eps)
+
+
+def _batch_renorm(bn: nn.BatchNorm2d, name: str, groups: int) -> nn.Module:
+    return BatchRenorm2d(bn.num_features, eps=bn.eps, momentum=bn.momentum)
+
+
+# The normalizations, by name: what replaces a BatchNorm2d (None: it stays). Group and renorm are the remedies for
+# BatchNorm over small microbatches; GroupNorm makes microbatching exact.
+NORM_LAYERS: dict[str, Callable[[nn.BatchNorm2d, str, int], nn.Module] | None] = {
+    "batch": None,
+    "group": _group_norm,
+    "renorm": _batch_renorm,
+}
+NORMS = tuple(NORM_LAYERS)
+
+
 def convert_norm(model: nn.Module, norm: str, groups: int = 8) -> nn.Module:
     """Replaces every BatchNorm2d of ``model`` (in place) by the normalization ``norm``; ``batch`` keeps them."""
-    if norm not in NORMS:
+    if norm not in NORM_LAYERS:
         raise ValueError(f"unknown normalization {norm!r}; use one of {', '.join(NORMS)}")
-    if norm == "batch":
+    make = NORM_LAYERS[norm]
+    if make is None:
         return model
     for name, child in model.named_children():
         if isinstance(child, nn.BatchNorm2d):
-            c = child.num_features
-            if norm == "group":
-                if c % groups:
-                    raise ValueError(f"GroupNorm with {groups} groups needs channels divisible by {groups}; {name} has {c}")
-                new: nn.Module = nn.GroupNorm(groups, c, eps=child.eps)
-            else:
-                new = BatchRenorm2d(c, eps=child.eps, momentum=child.momentum)
-            new.to(child.weight.device)
-            setattr(model, name, new)
+            setattr(model, name, make(child, name, groups).to(child.weight.device))
         else:
             convert_norm(child, norm, groups)
     return model

@@ -1,5 +1,5 @@
 """Sparse linear layers (Sohoni et al. 2019, sparsity applied to the DynamicConv benchmark): the ``nn.Linear``
-counterpart of ``lowmem.techniques.sparsity.SparseConv2d``, stored the same way and trained by the same ``sparsity.DSR``.
+counterpart of ``lowmem.techniques.sparsity.SparseConv2d``, stored the same way (``SparseWeight``) and trained by the same ``sparsity.DSR``.
 
 A ``SparseLinear`` holds only ``values`` (the nonzeros of its weight, the parameter the optimizer sees) and
 ``indices`` (their sorted flat positions in the dense out x in weight, int32); the dense weight exists only inside
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.techniques.sparsity import METHODS, SparseConv2d, _densify
+from lowmem.techniques.sparsity import METHODS, SparseWeight, densify, keep_mask
 
 
 class _SparseLinear(torch.autograd.Function):
@@ -26,12 +26,12 @@ class _SparseLinear(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, shape: torch.Size) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, values, indices)
         ctx.shape = shape
-        return F.linear(x, _densify(values.to(x.dtype), indices, shape))
+        return F.linear(x, densify(values.to(x.dtype), indices, shape))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, values, indices = ctx.saved_tensors
-        w = _densify(values.to(x.dtype), indices, ctx.shape)
+        w = densify(values.to(x.dtype), indices, ctx.shape)
         gx = grad @ w if ctx.needs_input_grad[0] else None
         # Only the kept positions of grad^T x are needed, but torch has no sampled dense-dense product on CPU
         # for training, so the dense product is formed and gathered (it is freed before the next layer's).
@@ -39,18 +39,13 @@ class _SparseLinear(torch.autograd.Function):
         return gx, gw.reshape(-1).index_select(0, indices).to(values.dtype), None, None
 
 
-class SparseLinear(SparseConv2d):
-    """A linear layer whose weight is stored as its nonzeros and their flat positions; the bias stays dense. It
-    keeps ``SparseConv2d``'s storage and pattern interface (``nnz``, ``rows``, ``set_pattern``), so DSR, the CSR
-    accounting (``sparsity.CSRFormat``) and checkpoint resizing (``sparsity.resize_to``) treat both alike."""
+class SparseLinear(SparseWeight):
+    """A linear layer with a sparse weight (``SparseWeight``: the storage DSR, the CSR accounting and checkpoint
+    resizing share with ``SparseConv2d``); the bias stays dense."""
 
     def __init__(self, linear: nn.Linear, keep: torch.Tensor) -> None:
         """``keep``: a CPU bool tensor over the weight's positions, True where the weight is kept."""
-        nn.Module.__init__(self)  # not SparseConv2d's: there is no convolution here
-        self.shape = linear.weight.shape
-        flat = keep.reshape(-1).nonzero().squeeze(1).to(linear.weight.device)
-        self.values = nn.Parameter(linear.weight.detach().reshape(-1)[flat].clone())
-        self.register_buffer("indices", flat.to(torch.int32))
+        super().__init__(linear.weight, keep)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,15 +70,7 @@ def sparsify(root: nn.Module, names: list[str], sparsity: float, method: str = "
         linear = modules[name]
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{name} is a {type(linear).__name__}, not an nn.Linear")
-        n = linear.weight.numel()
-        k = max(1, round((1.0 - sparsity) * n))
-        keep = torch.zeros(n, dtype=torch.bool, device="cpu")  # on the CPU even inside a torch.device context
-        if linear.weight.device.type == "meta":
-            keep[:k] = True  # shapes only (the accountant): which positions are kept changes no byte count
-        elif method == "dsr":
-            keep[torch.randperm(n, generator=gen, device="cpu")[:k]] = True
-        else:
-            keep[linear.weight.detach().abs().reshape(-1).cpu().topk(k).indices] = True
+        k = max(1, round((1.0 - sparsity) * linear.weight.numel()))
         parent, _, attr = name.rpartition(".")
-        setattr(root.get_submodule(parent) if parent else root, attr, SparseLinear(linear, keep))
+        setattr(root.get_submodule(parent) if parent else root, attr, SparseLinear(linear, keep_mask(linear.weight, k, method, gen)))
     return sparse_linears(root)

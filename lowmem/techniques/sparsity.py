@@ -18,6 +18,7 @@ with zero momentum. The total number of nonzeros never changes; the per-layer co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,6 @@ from torch import nn
 
 from lowmem.memory.accounting import StorageRecord
 
-METHODS = ("dsr", "static")
 INDEX_FORMATS = ("csr32", "csr16")  # CSR index width: 32-bit, or 16-bit in the layers where every index fits
 
 
@@ -38,13 +38,13 @@ class _SparseConv(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, values: torch.Tensor, indices: torch.Tensor, shape: torch.Size, stride: int, padding: int) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, values, indices)
         ctx.conf = (shape, stride, padding)
-        return F.conv2d(x, _densify(values.to(x.dtype), indices, shape), None, stride, padding)
+        return F.conv2d(x, densify(values.to(x.dtype), indices, shape), None, stride, padding)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         x, values, indices = ctx.saved_tensors
         shape, stride, padding = ctx.conf
-        w = _densify(values.to(x.dtype), indices, shape)
+        w = densify(values.to(x.dtype), indices, shape)
         # The kernel autograd calls for a dense conv2d, so gradients equal the dense-masked computation's.
         gx, gw, _ = torch.ops.aten.convolution_backward(
             grad, x, w, None, [stride] * 2, [padding] * 2, [1, 1], False, [0, 0], 1, [ctx.needs_input_grad[0], True, False]
@@ -52,24 +52,22 @@ class _SparseConv(torch.autograd.Function):
         return gx, gw.reshape(-1).index_select(0, indices).to(values.dtype), None, None, None, None
 
 
-def _densify(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+def densify(values: torch.Tensor, indices: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     # index_add_ into zeros (each position once) is a copy, and unlike index_copy_ it takes int32 indices.
     return values.new_zeros(shape.numel()).index_add_(0, indices, values).view(shape)
 
 
-class SparseConv2d(nn.Module):
-    """A bias-free conv2d whose weight is stored as its nonzeros (``values``) and their sorted flat positions
-    (``indices``, int32)."""
+class SparseWeight(nn.Module):
+    """A weight stored as its nonzeros (``values``, the parameter the optimizer sees) and their sorted flat positions
+    (``indices``, int32) in a dense weight of ``shape``: what DSR rewires, CSR accounts and ``resize_to`` reloads,
+    for every sparse layer type."""
 
-    def __init__(self, conv: nn.Conv2d, keep: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, keep: torch.Tensor) -> None:
         """``keep``: a CPU bool tensor over the weight's positions, True where the weight is kept."""
         super().__init__()
-        if conv.bias is not None or conv.groups != 1 or conv.dilation != (1, 1):
-            raise ValueError("SparseConv2d takes bias-free, ungrouped, undilated convolutions (WRN's)")
-        self.shape = conv.weight.shape
-        self.stride, self.padding = conv.stride[0], conv.padding[0]  # type: ignore[index]
-        flat = keep.reshape(-1).nonzero().squeeze(1).to(conv.weight.device)
-        self.values = nn.Parameter(conv.weight.detach().reshape(-1)[flat].clone())
+        self.shape = weight.shape
+        flat = keep.reshape(-1).nonzero().squeeze(1).to(weight.device)
+        self.values = nn.Parameter(weight.detach().reshape(-1)[flat].clone())
         self.register_buffer("indices", flat.to(torch.int32))
 
     @property
@@ -81,18 +79,9 @@ class SparseConv2d(nn.Module):
         """Rows of the weight as the m x n matrix CSR stores: output channels x (input channels * kh * kw)."""
         return self.shape[0]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dev = x.device.type
-        if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
-            # Autocast does not reach into a custom Function: cast as autocast would, then run without it.
-            x = x.to(torch.get_autocast_dtype(dev))
-            with torch.autocast(dev, enabled=False):
-                return _SparseConv.apply(x, self.values, self.indices, self.shape, self.stride, self.padding)
-        return _SparseConv.apply(x, self.values, self.indices, self.shape, self.stride, self.padding)
-
     @torch.no_grad()
     def dense_weight(self) -> torch.Tensor:
-        return _densify(self.values, self.indices, self.shape)
+        return densify(self.values, self.indices, self.shape)
 
     def set_pattern(self, indices: torch.Tensor, values: torch.Tensor) -> None:
         """Replaces the stored nonzeros; the parameter object stays the one the optimizer holds."""
@@ -104,8 +93,55 @@ class SparseConv2d(nn.Module):
         return f"shape={tuple(self.shape)}, nnz={self.nnz}, density={self.nnz / self.shape.numel():.3f}"
 
 
-def sparse_layers(model: nn.Module) -> dict[str, SparseConv2d]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, SparseConv2d)}
+class SparseConv2d(SparseWeight):
+    """A bias-free conv2d with a sparse weight (``SparseWeight``)."""
+
+    def __init__(self, conv: nn.Conv2d, keep: torch.Tensor) -> None:
+        if conv.bias is not None or conv.groups != 1 or conv.dilation != (1, 1):
+            raise ValueError("SparseConv2d takes bias-free, ungrouped, undilated convolutions (WRN's)")
+        super().__init__(conv.weight, keep)
+        self.stride, self.padding = conv.stride[0], conv.padding[0]  # type: ignore[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dev = x.device.type
+        if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+            # Autocast does not reach into a custom Function: cast as autocast would, then run without it.
+            x = x.to(torch.get_autocast_dtype(dev))
+            with torch.autocast(dev, enabled=False):
+                return _SparseConv.apply(x, self.values, self.indices, self.shape, self.stride, self.padding)
+        return _SparseConv.apply(x, self.values, self.indices, self.shape, self.stride, self.padding)
+
+
+def _random_positions(weight: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randperm(weight.numel(), generator=gen, device="cpu")[:k]
+
+
+def _largest_magnitudes(weight: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    return weight.detach().abs().reshape(-1).cpu().topk(k).indices
+
+
+# The sparse methods, by name: which k positions of a weight are kept at initialization. DSR starts from random
+# positions and moves them while training; static keeps the initialization's largest weights for good.
+METHODS: dict[str, Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]] = {
+    "dsr": _random_positions,
+    "static": _largest_magnitudes,
+}
+
+
+def keep_mask(weight: torch.Tensor, k: int, method: str, gen: torch.Generator) -> torch.Tensor:
+    """A CPU bool mask over ``weight``'s positions with ``k`` True, where ``method`` keeps weights."""
+    if method not in METHODS:
+        raise ValueError(f"sparse method {method!r} is not one of {', '.join(METHODS)}")
+    keep = torch.zeros(weight.numel(), dtype=torch.bool, device="cpu")  # on the CPU even inside a torch.device context
+    if weight.device.type == "meta":
+        keep[:k] = True  # shapes only (the accountant): which positions are kept changes no byte count
+    else:
+        keep[METHODS[method](weight, k, gen)] = True
+    return keep
+
+
+def sparse_layers(model: nn.Module) -> dict[str, SparseWeight]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, SparseWeight)}
 
 
 def sparsify(model: nn.Module, sparsity: float, method: str = "dsr", seed: int = 0) -> dict[str, SparseConv2d]:
@@ -122,19 +158,8 @@ def sparsify(model: nn.Module, sparsity: float, method: str = "dsr", seed: int =
             conv = getattr(block, name)
             if not isinstance(conv, nn.Conv2d) or conv.kernel_size != (3, 3):
                 continue
-            n = conv.weight.numel()
-            k = round((1.0 - sparsity) * n)
-            if conv.weight.device.type == "meta":
-                # Shapes only (the accountant): which positions are kept does not change any byte count.
-                keep = torch.zeros(n, dtype=torch.bool)
-                keep[:k] = True
-            elif method == "dsr":
-                keep = torch.zeros(n, dtype=torch.bool)
-                keep[torch.randperm(n, generator=gen)[:k]] = True
-            else:
-                keep = torch.zeros(n, dtype=torch.bool)
-                keep[conv.weight.detach().abs().reshape(-1).cpu().topk(k).indices] = True
-            setattr(block, name, SparseConv2d(conv, keep))
+            k = round((1.0 - sparsity) * conv.weight.numel())
+            setattr(block, name, SparseConv2d(conv, keep_mask(conv.weight, k, method, gen)))
     return sparse_layers(model)
 
 

@@ -26,12 +26,12 @@ from tqdm import tqdm
 
 from lowmem import runs
 from lowmem.config import resolve_device
-from lowmem.techniques import checkpoint, microbatch, precision, sparsity
+from lowmem.techniques import precision, sparsity
 from lowmem.techniques.step import Techniques, train_step
 from lowmem.wrn.data import load, subset
-from lowmem.wrn.models import build_model
 from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.recipe import SGDRecipe, make_optimizer
+from lowmem.wrn.step import wrn_model
 
 
 @torch.no_grad()
@@ -125,13 +125,9 @@ def train(
     train_set, test_set = subset(data.train, p.train_subset, 0), subset(data.test, p.test_subset, 0)
     test_loader = DataLoader(test_set, batch_size=max(p.batch_size, 256), num_workers=p.num_workers)
 
-    torch.manual_seed(seed)
-    model = build_model(p.model, num_classes=data.num_classes, in_channels=data.in_channels).to(device)
-    microbatch.convert_norm(model, tech.norm)
-    layers = sparsity.sparsify(model, tech.sparsity, tech.sparse_method, seed) if tech.sparsity else {}
+    model = wrn_model(p.model, data.num_classes, data.in_channels, tech, device, seed, (p.batch_size, data.in_channels, 32, 32))
+    layers = sparsity.sparse_layers(model)
     prec = precision.parse(tech.precision)
-    precision.prepare(model, prec)
-    checkpoint.apply(model, tech.checkpoint, (p.batch_size, data.in_channels, 32, 32))
     optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
     scaler = precision.make_scaler(prec, device.type)
     # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.

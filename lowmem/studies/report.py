@@ -1,0 +1,163 @@
+"""The report (notebook 00): the study of Sohoni et al., *Low-Memory Neural Network Training* (2019), in the paper's
+order: where a training step's memory goes, each technique alone, the techniques combined, and the headline beside
+the paper's. It only gathers what the stages wrote (metrics/*.json, figures/), so every number has one source, and
+makes the README's headline table (figures/00_headline.md, between the README's lowmem:headline markers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from lowmem.studies import frontier
+
+# The stages' figures each section shows, with the Markdown table whose caption (profile, data, method) goes under it.
+FIGURES: dict[str, list[tuple[str, str | None]]] = {
+    "memory": [("01_memory_breakdown.png", "01_memory_breakdown.md"),
+               ("07_translation_memory.png", "07_translation_memory.md")],
+    "alone": [("03_sparsity.png", "03_sparsity_accuracy.md"), ("04_precision.png", "04_precision_accuracy.md"),
+              ("05_microbatching.png", "05_microbatching_accuracy.md"), ("06_checkpointing.png", "06_checkpointing.md"),
+              ("08_translation_techniques_memory.png", None),
+              ("08_translation_techniques_bleu_time.png", "08_translation_techniques.md")],
+    "combined": [("09_frontier.png", None)],
+}
+ALONE_CAPTION = "Accounted at full size (notebooks 03–06 and 08); each technique against its task's baseline."
+# The headline table: the comparison's columns (figures/09_paper_comparison.csv) under the README's names.
+HEADLINE = {"task": "task", "paper_setting": "paper's setting", "budget": "quality budget",
+            "paper_reduction": "paper: memory reduction", "our_reduction": "ours: memory reduction",
+            "our_change": "ours: quality change", "our_config": "our configuration",
+            "our_setting": "our setting (profile, model, data)"}
+
+
+@dataclass
+class Report:
+    """The results the report reads: ``root`` (the checkout, with metrics/ and figures/), every metrics/*.json by
+    file stem, and the paper's headline figures (``frontier.paper_reference``)."""
+
+    root: Path
+    metrics: dict[str, Any]
+    reference: dict[str, Any]
+
+
+def load(root: str | Path) -> Report:
+    """Reads every stage's metrics under ``root``/metrics and the paper's reference."""
+    root = Path(root)
+    metrics = {f.stem: json.loads(f.read_text()) for f in (root / "metrics").glob("*.json")}
+    return Report(root=root, metrics=metrics, reference=frontier.paper_reference())
+
+
+def profiles(r: Report) -> str:
+    """Which profile(s) the checkout's results come from, and what that means for memory and quality (Markdown)."""
+    found = sorted({v["profile"] for v in r.metrics.values()
+                    if isinstance(v, dict) and "profile" in v and isinstance(v["profile"], str)})
+    return (f"Results in this checkout come from profile(s): **{', '.join(found)}**. Memory is accounted at full "
+            "size in every profile; accuracy and BLEU come from the profile's model and data (see each caption).")
+
+
+def figures(r: Report, section: str) -> list[tuple[str, str]]:
+    """The stage figures of ``section`` (a key of FIGURES): (image file, its caption in italics, or "" where the
+    figure has no table)."""
+    if section not in FIGURES:
+        raise ValueError(f"section={section!r} is not one of {', '.join(FIGURES)}")
+    out = []
+    for image, table in FIGURES[section]:
+        caption = "*" + (r.root / "figures" / table).read_text().split("\n\n")[0] + "*" if table else ""
+        out.append((str(r.root / "figures" / image), caption))
+    return out
+
+
+def memory_summary(r: Report) -> str:
+    """Where the memory of one step goes, for WRN-28-2 (stage memory_profile) and DynamicConv (stage translation)."""
+    mp, tr = r.metrics["memory_profile"], r.metrics["translation"]
+    peak = mp["at_peak_mib"]
+    return (
+        f"- **WRN-28-2** ({mp['parameters']:,} parameters) at batch {mp['reference_batch_size']}: "
+        f"{peak['total']:.1f} MiB at the step's peak, of which activations are {100 * mp['activation_share']:.1f}%; "
+        f"weights, gradients and momentum together {peak['model'] + peak['gradients'] + peak['optimizer']:.1f} MiB. "
+        f"The accountant is within {mp['measured']['max_abs_gap_pct']:.1f}% of PyTorch's measured peak.\n"
+        f"- **DynamicConv** ({tr['parameters']:,} parameters) at {tr['max_tokens']} tokens: "
+        f"{tr['at_peak_mib']['total']:.1f} MiB, "
+        f"activations {100 * tr['activation_share']:.1f}%, and Adam's fixed part (weights, gradients, two moments) "
+        f"{tr['fixed_mib']:.1f} MiB, which no activation technique touches.")
+
+
+def alone(r: Report) -> pd.DataFrame:
+    """Each technique's memory reduction alone against its task's baseline, accounted at full size (stages 03-06
+    for WRN, 08 for DynamicConv)."""
+    sp, pr, mb, ck = (r.metrics[k] for k in ("sparsity", "precision", "microbatching", "checkpointing"))
+    tt = r.metrics["translation_techniques"]
+    b_min = min(int(k[1:]) for k in mb["peak_mib_batchnorm"])  # the smallest microbatch the profile accounts
+    return pd.DataFrame([
+        {"task": "wrn", "technique": "sparsity (best accounted level and CSR format)",
+         "reduction": max(v["peak_reduction"] for v in sp["memory"].values())},
+        {"task": "wrn", "technique": "half precision (bf16)", "reduction": pr["reduction_vs_fp32"]["half-bf16_b128"]},
+        {"task": "wrn", "technique": f"microbatch b = {b_min}",
+         "reduction": mb["peak_mib_batchnorm"][f"b{mb['memory_batch_size']}"] / mb["peak_mib_batchnorm"][f"b{b_min}"]},
+        {"task": "wrn", "technique": "checkpointing (best strategy)",
+         "reduction": ck["strategies"]["none"]["peak_mib"] / min(s["peak_mib"] for s in ck["strategies"].values())},
+        *[{"task": "dynamicconv", "technique": k, "reduction": v["reduction"]}
+          for k, v in tt["memory_mib"].items() if k != "baseline"],
+    ])
+
+
+def alone_reading(table: pd.DataFrame) -> str:
+    """What the table of ``alone`` says: the largest single saving of each task (Markdown)."""
+    top = table.loc[table.groupby("task").reduction.idxmax()]
+    return ("Alone, the largest saving is "
+            + "; ".join(f"**{t.technique}** for {t.task} ({t.reduction:.2f}x)" for t in top.itertuples())
+            + ": on both models the activations dominate, so the levers that shrink them save the most, and no single "
+            "technique comes near the paper's combined numbers.")
+
+
+def budget_tables(r: Report) -> list[str]:
+    """Stage combinations' budget tables (figures/09_<task>_budgets.md), caption included, per task."""
+    return [(r.root / "figures" / f"09_{task}_budgets.md").read_text() for task in r.metrics["combinations"]["profile"]]
+
+
+def comparison(r: Report) -> pd.DataFrame:
+    """Stage combinations' comparison with the paper (figures/09_paper_comparison.csv)."""
+    return pd.read_csv(r.root / "figures" / "09_paper_comparison.csv")
+
+
+def headline(r: Report) -> pd.DataFrame:
+    """The headline table: per task the paper's reduction within its quality budget beside our best one."""
+    return comparison(r)[list(HEADLINE)].rename(columns=HEADLINE)
+
+
+def headline_caption(r: Report) -> str:
+    """The caption of ``headline``: where the paper's numbers and ours come from."""
+    return (f"The paper's numbers: {r.reference['citation']} (lowmem/studies/paper_reference.yaml). Ours: `dvc repro` "
+            "at the profile named in each row; memory accounted at the paper's full size, quality measured at that "
+            "profile.")
+
+
+def reading(r: Report) -> str:
+    """What the headline says, per task, and how far the grid went (Markdown)."""
+    lines = []
+    for row in comparison(r).itertuples():
+        if pd.isna(row.our_reduction):
+            lines.append(f"- **{row.task}**: no trained combination stays within {row.budget}.")
+            continue
+        side = "beyond" if row.our_reduction > row.paper_reduction else "short of"
+        lines.append(f"- **{row.task}**: within the paper's budget of {row.budget}, the best trained combination is "
+                     f"`{row.our_config}` at {row.our_reduction:.1f}x ({row.our_change:+.2f}), {side} the paper's "
+                     f"{row.paper_reduction:g}x ({row.ours_over_paper:.2f} of it). Its quality comes from "
+                     f"{row.our_setting.split(';')[0]}.")
+    cb = r.metrics["combinations"]
+    for task in cb["profile"]:
+        lines.append(f"- {task}: the grid's largest accounted reduction is {cb[task]['max_accounted_reduction']:.1f}x "
+                     f"over {cb[task]['accounted']} combinations; {cb[task]['trained']} were trained at profile "
+                     f"`{cb['profile'][task]}`.")
+    return ("**Reading.**\n" + "\n".join(lines) + "\n\nMemory ratios are exact for the paper's models and batch; "
+            "the quality changes are only as good as the profile's runs: at the cpu profile they are a smaller model "
+            "on offline data over a short schedule, so they rank the combinations but do not reproduce the paper's "
+            "accuracy or BLEU.")
+
+
+def tables(r: Report) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables the report writes under figures/, by file name (no suffix): (rounded table, caption)."""
+    return {"00_headline": (headline(r).round(2), headline_caption(r))}

@@ -1,0 +1,48 @@
+"""Writes tests/data/refactor_reference.json: smoke-size WRN runs of every lever a refactoring touched (the merged
+model builder, DSR, the sparse-method and norm registries), trained by the code of the checkout it runs in.
+
+    git worktree add /tmp/before <commit before the refactoring>
+    cd /tmp/before && PYTHONPATH=/tmp/before python /work/main/tests/make_refactor_reference.py OUT.json
+
+tests/test_refactor_reproduces.py trains the same runs with today's code and asserts the same metrics, bit for bit.
+It reads both layouts (flat lowmem/ before the subpackages, and after).
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+try:  # the subpackage layout
+    from lowmem.wrn.params import BaselineParams
+    from lowmem.wrn.train import Techniques, train
+except ImportError:  # the flat layout before it
+    from lowmem.config import BaselineParams  # type: ignore[no-redef]
+    from lowmem.train import Techniques, train  # type: ignore[no-redef]
+
+BASE = {"dataset": "synthetic", "model": "wrn-10-1", "epochs": 2, "batch_size": 32, "train_subset": 256,
+        "test_subset": 128, "device": "cpu"}
+CONFIGS = {
+    "baseline": {},
+    "dsr-0.9": {"sparsity": 0.9, "dsr_periods": (2, 2, 2, 2)},
+    "static-0.9": {"sparsity": 0.9, "sparse_method": "static"},
+    "half-bf16": {"precision": "half-bf16"},
+    "mb8-group": {"microbatch": 8, "norm": "group"},
+    "mb8-renorm": {"microbatch": 8, "norm": "renorm"},
+}
+# What a run measures about the machine, not what it computes.
+TIMING = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib", "peak_mem_method")
+
+
+def histories(root: Path) -> dict[str, list[dict]]:
+    p = BaselineParams(**BASE)
+    out = {}
+    for name, tech in CONFIGS.items():
+        rows = train(p, 0, Techniques(**tech), progress=False, root=root)
+        out[name] = [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return out
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(sys.argv[1]).write_text(json.dumps(histories(Path(tmp)), indent=1) + "\n")
