@@ -12,10 +12,10 @@ import torch
 import yaml
 
 from lowmem import runs
-from lowmem.config import ParamError
+from lowmem.config import ParamError, resolve
 from lowmem.dynamicconv import corpus, translation
 from lowmem.dynamicconv import memory as translation_memory
-from lowmem.dynamicconv.params import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams, resolve
+from lowmem.dynamicconv.params import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams
 
 ROOT = Path(__file__).parents[1]
 TINY_MODEL = ["--arch", "lightconv_iwslt_de_en", "--encoder-glu", "0", "--decoder-glu", "0", "--encoder-embed-dim", "16",
