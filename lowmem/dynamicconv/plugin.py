@@ -26,7 +26,6 @@ model's state dict, so fairseq's own checkpoints resume it.
 
 from __future__ import annotations
 
-import functools
 import json
 from typing import Any
 
@@ -43,7 +42,6 @@ ARCH = "lowmem_lightconv_iwslt_de_en"
 TASK = "lowmem_translation"
 
 
-@functools.cache
 def default_reallocate_fraction() -> float:
     """The recipe's 20,000 moved weights as a fraction of WRN-28-2's sparse-layer weights, so that a model of
     another size moves the same share of its sparse weights."""

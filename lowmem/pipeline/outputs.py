@@ -26,6 +26,12 @@ def save_table(df: pd.DataFrame, path: str | Path, caption: str) -> tuple[Path, 
     return csv, md
 
 
+def save_tables(tables: dict[str, tuple[pd.DataFrame, str]], folder: str | Path) -> None:
+    """Every table of a study's ``tables()`` (file name without suffix -> (table, caption)) under ``folder``."""
+    for name, (df, caption) in tables.items():
+        save_table(df, Path(folder) / name, caption)
+
+
 def save_metrics(metrics: dict[str, Any], path: str | Path) -> Path:
     return runs.atomic_write(Path(path), lambda p: Path(p).write_text(json.dumps(metrics, indent=2, sort_keys=False) + "\n"))
 

@@ -48,11 +48,12 @@ def table(p: BaselineParams, history: pd.DataFrame) -> pd.DataFrame:
         wall_s=history.groupby("seed").epoch_s.sum().values)
 
 
-def tables(p: BaselineParams, history: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The tables written under figures/, by file name (without suffix): the final table and every epoch."""
+def tables(p: BaselineParams, history: pd.DataFrame, caption: str) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables written under figures/, by file name (without suffix): the final table and every epoch, with
+    their caption."""
     return {
-        "02_baseline": table(p, history).round(5),
-        "02_baseline_history": history.drop(columns=["data", "peak_mem_method"]).round(5),
+        "02_baseline": (table(p, history).round(5), caption),
+        "02_baseline_history": (history.drop(columns=["data", "peak_mem_method"]).round(5), caption),
     }
 
 

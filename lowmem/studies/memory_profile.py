@@ -139,13 +139,13 @@ def measured_table(df: pd.DataFrame) -> pd.DataFrame:
     return measured_rows(df).dropna(axis=1, how="all").drop(columns=["source", "seconds"]).round(3)
 
 
-def tables(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """The tables written under figures/, by file name (without suffix)."""
+def tables(df: pd.DataFrame, caption: str) -> dict[str, tuple[pd.DataFrame, str]]:
+    """The tables written under figures/, by file name (without suffix): (table, caption)."""
     return {
-        "01_memory_breakdown": accounted_rows(df)
-        .drop(columns=["accounted_mib", "measured_mib", "gap_pct", "method"], errors="ignore")
-        .round(4),
-        "01_accounted_vs_measured": measured_rows(df).dropna(axis=1, how="all").drop(columns=["source"]).round(4),
+        "01_memory_breakdown": (accounted_rows(df)
+                                .drop(columns=["accounted_mib", "measured_mib", "gap_pct", "method"], errors="ignore")
+                                .round(4), caption),
+        "01_accounted_vs_measured": (measured_rows(df).dropna(axis=1, how="all").drop(columns=["source"]).round(4), caption),
     }
 
 
