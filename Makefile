@@ -6,7 +6,7 @@ export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: setup repro repro-all test lab
+.PHONY: setup repro repro-all test test-unit test-notebooks test-pipeline lab
 
 setup: $(VENV)/.installed
 
@@ -22,8 +22,21 @@ repro: setup
 repro-all: setup
 	python -m lowmem.pipeline.stage_times --all
 
+# Every tier in one pytest session (tests/conftest.py: the notebooks reuse the pipeline test's runs). The tiers alone:
 test: setup
 	python -m pytest
 
-lab: setup
-	jupyter lab notebooks/
+test-unit: setup
+	python -m pytest tests -m "not slow and not notebook"
+
+test-notebooks: setup
+	python -m pytest notebooks tests/test_notebook_metrics.py
+
+test-pipeline: setup
+	python -m pytest tests -m slow
+
+# JupyterLab on the project's kernel at 127.0.0.1:$(PORT), as root or not (scripts/lab.py says what it opens).
+PORT ?= 8888
+lab:
+	@test -x $(VENV)/bin/python || { echo "error: no environment in $(VENV); run \`make setup\` first (about 5 minutes)" >&2; exit 2; }
+	@python scripts/lab.py --port $(PORT)

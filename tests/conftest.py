@@ -1,9 +1,16 @@
+import json
 import logging
 import os
 import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
 
+import papermill
 import pytest
 import torch
+
+NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 
 
 @pytest.fixture(autouse=True)
@@ -17,3 +24,34 @@ def pytest_configure(config: pytest.Config) -> None:
     # One run store for the whole test session (nbval's kernels inherit it), never the checkout's data/runs: a test
     # must train what it asserts on, and must not fill the store a reader's pipeline uses.
     os.environ["LOWMEM_RUNS"] = tempfile.mkdtemp(prefix="lowmem-test-runs-")
+
+
+# The test tiers (README, "Tests"): unit tests; `slow` ones that run a pipeline or many training steps; and the
+# notebooks' tier, nbval's run of every notebook and the assertions on the metrics they wrote
+# (tests/test_notebook_metrics.py). `make test` runs them in one session, in that order: the notebooks take the runs
+# the pipeline test trained from the session's run store, and the assertions read what nbval's run wrote.
+METRICS_TESTS = "test_notebook_metrics.py"
+SESSION_START = time.time()
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's -m selection sees the markers
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.suffix == ".ipynb" or item.path.name == METRICS_TESTS:
+            item.add_marker(pytest.mark.notebook)
+    items.sort(key=lambda item: item.path.name == METRICS_TESTS)  # stable: everything else keeps its order
+
+
+@pytest.fixture
+def notebook_metrics(tmp_path: Path) -> Callable[[str, str], dict]:
+    """``metrics(notebook, name)``: the metrics JSON ``name`` that notebook wrote at its smoke parameters, from nbval's
+    run in this session where there was one, else from running the notebook here through papermill."""
+
+    def metrics(notebook: str, name: str) -> dict:
+        written = NOTEBOOKS.parent / "data" / "smoke" / "metrics" / f"{name}.json"
+        if not (written.exists() and written.stat().st_mtime >= SESSION_START):
+            papermill.execute_notebook(NOTEBOOKS / f"{notebook}.ipynb", tmp_path / f"{notebook}.ipynb", cwd=NOTEBOOKS,
+                                       kernel_name="lowmem", progress_bar=False)
+        return json.loads(written.read_text())
+
+    return metrics

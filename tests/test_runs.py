@@ -136,7 +136,7 @@ def test_the_training_path_holds_the_trainer_and_techniques_but_no_study_or_othe
 def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path) -> None:
     """SIGKILL (no handler can run) while the train stage's entry point is between epochs, then the same command."""
     block = {"profile": "smoke", "seed": 0, "seeds": [0], "dataset": "synthetic", "model": "wrn-10-1", "epochs": 4,
-             "batch_size": 32, "device": "cpu"}
+             "batch_size": 32, "train_subset": 256, "test_subset": 64, "device": "cpu"}
     resolved = BaselineParams(**block).__dict__
     params = tmp_path / "baseline.yaml"
     params.write_text(yaml.safe_dump(resolved))

@@ -1,0 +1,100 @@
+"""The notebooks' tier: each test runs one notebook at its smoke parameters and asserts on the metrics JSON it wrote.
+
+nbval runs every notebook earlier in the same `make test` (tests/conftest.py orders this file last), and the
+``notebook_metrics`` fixture reads what that run wrote; run alone, this file executes the notebook itself through papermill.
+What they assert is what a wrong notebook or a wrong study function would get wrong: counts from the model itself,
+exact byte ratios, categories that add up, and levers proven exact giving the same accuracy.
+"""
+
+import itertools
+from collections.abc import Callable
+
+import yaml
+
+from lowmem import config
+from lowmem.studies import combinations
+from lowmem.wrn.models import build_model
+
+MIB = 2**20
+
+
+def _bytes(tensors) -> int:  # type: ignore[no-untyped-def]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_01_memory_profile_counts_every_parameter_and_buffer_and_its_categories_add_up(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("01_memory_profile", "memory_profile")
+    model = build_model(m["model"])
+    assert m["parameters"] == sum(p.numel() for p in model.parameters())
+    assert m["at_peak_mib"]["model"] == round(_bytes(itertools.chain(model.parameters(), model.buffers())) / MIB, 3)
+    assert m["at_peak_mib"]["optimizer"] == round(_bytes(model.parameters()) / MIB, 3)  # one momentum buffer per weight
+    parts = sum(v for k, v in m["at_peak_mib"].items() if k != "total")
+    assert abs(parts - m["at_peak_mib"]["total"]) <= 0.003  # five values rounded to 3 decimals
+
+
+def test_02_baseline_reports_every_seed_and_accuracies_that_are_counts_of_test_images(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("02_baseline_training", "baseline")
+    assert m["seeds"] == config.load("baseline").seeds
+    for acc in (m["test_acc_min"], m["test_acc_max"]):
+        assert abs(acc * m["test_examples"] - round(acc * m["test_examples"])) < 1e-5 * m["test_examples"]
+    assert m["test_acc_min"] <= m["test_acc_mean"] <= m["test_acc_max"]
+
+
+def test_03_sparsity_stores_dense_weights_gradients_and_momentum_and_less_at_every_level(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("03_sparsity", "sparsity")
+    model = build_model(m["memory_model"])
+    fixed = (_bytes(itertools.chain(model.parameters(), model.buffers())) + 2 * _bytes(model.parameters())) / MIB
+    assert abs(m["memory"]["0.0_dense fp32"]["fixed_mib"] - fixed) <= 0.001
+    for fmt in ("values 32-bit, indices 32-bit", "values 32-bit, indices 16-bit", "values 16-bit, indices 16-bit"):
+        levels = sorted((float(k.split("_")[0]), v["fixed_mib"]) for k, v in m["memory"].items() if k.endswith(fmt))
+        assert [f for _, f in levels] == sorted((f for _, f in levels), reverse=True), fmt  # sparser stores less
+
+
+def test_04_precision_halves_every_byte_in_half_modes_and_bf16_fp16_cost_the_same(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("04_low_precision", "precision")
+    peak = m["peak_mib"]
+    for b in config.load("precision").memory_microbatches:
+        # Every stored tensor halves but the int64 labels and BatchNorm's step counters: within 0.1% of half.
+        assert abs(2 * peak[f"half-bf16_b{b}"] - peak[f"fp32_b{b}"]) <= 1e-3 * peak[f"fp32_b{b}"]
+        assert peak[f"half-bf16_b{b}"] == peak[f"half-fp16_b{b}"] and peak[f"mixed-bf16_b{b}"] == peak[f"mixed-fp16_b{b}"]
+    assert m["trained"]["fp32"]["acc_change_vs_fp32"] == 0
+
+
+def test_05_microbatching_under_groupnorm_is_exact_in_accuracy(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("05_microbatching", "microbatching")
+    p = config.load("microbatching")
+    group = {k: v["test_acc_mean"] for k, v in m["accuracy"].items() if k.startswith("group_")}
+    assert len(group) == len(p.train_microbatches)
+    images = notebook_metrics("02_baseline_training", "baseline")["test_examples"]  # the same smoke training block
+    assert max(group.values()) - min(group.values()) <= 1 / images + 1e-9  # summation order may flip one image
+
+
+def test_06_checkpointing_recomputes_nothing_without_a_strategy_and_stores_less_with_one(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("06_checkpointing", "checkpointing")
+    s = m["strategies"]
+    assert list(s) == config.load("checkpointing").strategies
+    assert s["none"]["extra_forward_flops"] == 0 and s["none"]["step_time_ratio"] == 1
+    assert all(v["activations_mib"] < s["none"]["activations_mib"] for k, v in s.items() if k != "none")
+
+
+def test_07_translation_accounts_what_it_measured(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("07_translation", "translation")
+    parts = sum(v for k, v in m["at_peak_mib"].items() if k != "total")
+    assert abs(parts - m["at_peak_mib"]["total"]) <= 0.003
+    assert all(r["accounted_mib"] == r["measured_mib"] for r in m["measured"].values())  # on the CPU, to the byte
+
+
+def test_08_translation_techniques_fp16_halves_the_weights(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("08_translation_techniques", "translation_techniques")
+    mem = m["memory_mib"]
+    assert abs(2 * mem["fp16"]["model"] - mem["baseline"]["model"]) <= 0.002
+    for name, row in mem.items():
+        assert abs(sum(row[c] for c in ("model", "gradients", "optimizer", "activations", "other")) - row["total"]) <= 0.003, name
+
+
+def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("09_combinations", "combinations")
+    params = yaml.safe_load(config.PARAMS_YAML.read_text())
+    for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
+        p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
+        assert m[track]["accounted"] == len(combinations.grid(p))
