@@ -37,6 +37,13 @@ if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null &
     { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends dataset-fashion-mnist >/dev/null 2>&1; } ||
     echo "note: could not install Debian's dataset-fashion-mnist; the cpu profile will say how to get Fashion-MNIST" >&2
 fi
+# Debian's chromium and its driver, for the browser test of JupyterLab (tests/test_lab.py; skipped without them).
+# Optional, like the dataset; Playwright's browser download needs the internet and does not work offline.
+if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1 ||
+    { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq --no-install-recommends chromium chromium-driver >/dev/null 2>&1; } ||
+    echo "note: could not install Debian's chromium and chromium-driver; the browser test of JupyterLab will be skipped" >&2
+fi
 # The cpu translation corpus: the German gettext catalogs of a fixed list of Debian packages (params.yaml,
 # translation_data.gettext_packages). Installing the list makes the corpus the same on every machine of one
 # Debian release; without them the translation stages stop and name the missing packages.
