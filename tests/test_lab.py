@@ -56,7 +56,10 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     tracker.parent.mkdir(parents=True)
     tracker.write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), uuid.uuid4().hex
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime")}
+    # A fresh workspace too: JupyterLab restores the panels a previous session left open (an earlier run of this
+    # test leaves the report open), and their figures would count with the notebook under test.
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp / "settings"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp / "workspaces")}
     log = (tmp / "server.log").open("w")
     proc = subprocess.Popen([sys.executable, "scripts/lab.py", "--port", str(port), "--token", token], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
