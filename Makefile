@@ -38,5 +38,5 @@ test-pipeline: setup
 # JupyterLab on the project's kernel at 127.0.0.1:$(PORT), as root or not (scripts/lab.py says what it opens).
 PORT ?= 8888
 lab:
-	@test -x $(VENV)/bin/python || { echo "error: no environment in $(VENV); run \`make setup\` first (about 5 minutes)" >&2; exit 2; }
+	@test -x $(VENV)/bin/python || { echo "error: no usable environment in $(VENV) (missing, or its Python is not executable by this user); run \`make setup\` first (about 5 minutes)" >&2; exit 2; }
 	@python scripts/lab.py --port $(PORT)
