@@ -1,0 +1,122 @@
+"""Quality differences with their uncertainty, and the one rule that says whether a configuration is within a budget.
+
+A configuration's quality is reported as a paired difference against the baseline: both are trained with the same
+seeds, and the difference of each seed's pair is the sample. Its 95% interval is Student's t on those differences
+(``paired``). Two cheaper views of the test split's own noise sit beside it, for one pair of models: per-example
+paired correctness for accuracy (``per_example``, the normal approximation to McNemar's test) and sacreBLEU's paired
+bootstrap resampling for BLEU (``bleu_paired``). They see the test set's sampling only, never the seed-to-seed noise
+of training, so a seed interval is the one the headline uses.
+
+``within_budget`` is the decision rule, stated once: every table and figure that says "within budget" calls it and
+prints ``RULES[rule]`` under itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from sacrebleu.metrics import BLEU
+from scipy import stats
+
+LEVEL = 0.95  # two-sided confidence of every interval here
+
+RULES = {
+    "mean": "within budget b: the mean paired quality change over seeds is at least -b",
+    "interval": f"within budget b: the whole {LEVEL:.0%} interval of the paired quality change lies at or above -b",
+}
+
+
+@dataclass(frozen=True)
+class Paired:
+    """A paired quality change (configuration minus baseline) over ``n`` samples, with its ``LEVEL`` interval.
+    ``low``/``high`` are NaN with one sample: one pair gives a change but no spread."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+    sd: float  # sample standard deviation of the differences (ddof=1); NaN for one sample
+
+    @property
+    def half_width(self) -> float:
+        return (self.high - self.low) / 2
+
+
+def paired(differences: Sequence[float]) -> Paired:
+    """Student's t interval of the mean of per-seed paired differences: mean ± t(n-1) · sd / √n."""
+    d = np.asarray(differences, dtype=float)
+    if d.ndim != 1 or len(d) == 0 or not np.isfinite(d).all():
+        raise ValueError(f"paired() needs one or more finite differences, got {list(differences)!r}")
+    n, mean = len(d), float(d.mean())
+    if n == 1:
+        return Paired(mean, math.nan, math.nan, 1, math.nan)
+    sd = float(d.std(ddof=1))
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * sd / math.sqrt(n)
+    return Paired(mean, mean - half, mean + half, n, sd)
+
+
+def seed_pairs(config: dict[int, float], baseline: dict[int, float]) -> list[float]:
+    """The per-seed differences ``config[s] - baseline[s]`` over the seeds both have; an error if they share none."""
+    shared = sorted(set(config) & set(baseline))
+    if not shared:
+        raise ValueError(f"no shared seeds: configuration has {sorted(config)}, baseline {sorted(baseline)}; "
+                         "train the configuration with the baseline's seeds")
+    return [config[s] - baseline[s] for s in shared]
+
+
+def per_example(correct: Sequence[bool], baseline_correct: Sequence[bool]) -> Paired:
+    """Accuracy difference of two models on the same test examples, with the normal interval of the mean of the
+    per-example differences (each -1, 0 or +1): the interval McNemar's test inverts. Only the examples on which
+    the two disagree carry information, which is why this is narrower than comparing two accuracies unpaired."""
+    a, b = np.asarray(correct, dtype=float), np.asarray(baseline_correct, dtype=float)
+    if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
+        raise ValueError(f"per_example() needs two equal-length vectors of at least 2 examples, got {a.shape} and {b.shape}")
+    d = a - b
+    n, mean = len(d), float(d.mean())
+    sd = float(d.std(ddof=1))
+    half = float(stats.norm.ppf(0.5 + LEVEL / 2)) * sd / math.sqrt(n)
+    return Paired(mean, mean - half, mean + half, n, sd)
+
+
+def bleu_paired(hypotheses: Sequence[str], baseline: Sequence[str], references: Sequence[str],
+                resamples: int = 1000, seed: int = 12345) -> Paired:
+    """sacreBLEU's paired bootstrap resampling of the test set: the BLEU change of ``hypotheses`` over ``baseline``
+    (detokenized sentences, against the same ``references``) and its ``LEVEL`` interval over the resamples.
+    sacreBLEU draws the same sentence indices for both systems, which is what makes it paired."""
+    if not (len(hypotheses) == len(baseline) == len(references)):
+        raise ValueError(f"{len(hypotheses)} and {len(baseline)} hypotheses for {len(references)} references")
+    bleu = BLEU()
+    # The resampling of sacreBLEU's PairedTest (significance._paired_bs_test): per-sentence sufficient statistics,
+    # one index draw shared by both systems, BLEU recomputed from summed statistics. PairedTest returns a p-value
+    # and each system's own interval, not the interval of the difference, so the difference is taken here.
+    # float64 rather than sacreBLEU's float32: the counts are integers, and then the full-set change is exactly
+    # corpus_bleu's.
+    refs = [list(references)]
+    sys_stats = np.array(bleu._extract_corpus_statistics(list(hypotheses), refs), dtype="float64")
+    base_stats = np.array(bleu._extract_corpus_statistics(list(baseline), refs), dtype="float64")
+    idx = np.random.default_rng(seed).choice(len(references), size=(resamples, len(references)), replace=True)
+
+    def score(s: np.ndarray) -> float:
+        return float(bleu._compute_score_from_stats(s.sum(0)).score)
+
+    deltas = np.array([score(sys_stats[i]) - score(base_stats[i]) for i in idx])
+    full = score(sys_stats) - score(base_stats)
+    tail = (1 - LEVEL) / 2
+    low, high = np.quantile(deltas, [tail, 1 - tail])
+    return Paired(float(full), float(low), float(high), len(references), float(deltas.std(ddof=1)))
+
+
+def within_budget(change: Paired, budget: float, rule: str) -> bool:
+    """The decision rule (``RULES``): ``budget`` is the quality one may lose (0.4 points, 0.15 BLEU), ``change``
+    the paired change in the same unit. The interval rule is False where there is no interval (one seed)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown rule {rule!r}; use one of {', '.join(RULES)}")
+    if budget < 0:
+        raise ValueError(f"a budget is the quality one may lose, >= 0; got {budget}")
+    floor = -budget - 1e-12  # -b itself is within, whatever the float rounding
+    if rule == "mean":
+        return change.mean >= floor
+    return not math.isnan(change.low) and change.low >= floor
