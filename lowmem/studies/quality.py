@@ -40,9 +40,12 @@ class Paired:
     n: int
     sd: float  # sample standard deviation of the differences (ddof=1); NaN for one sample
 
-    @property
-    def half_width(self) -> float:
-        return (self.high - self.low) / 2
+
+def _mean_interval(d: np.ndarray, quantile: float) -> Paired:
+    """mean ± quantile · sd / √n of the differences ``d`` (two or more)."""
+    n, mean, sd = len(d), float(d.mean()), float(d.std(ddof=1))
+    half = quantile * sd / math.sqrt(n)
+    return Paired(mean, mean - half, mean + half, n, sd)
 
 
 def paired(differences: Sequence[float]) -> Paired:
@@ -50,12 +53,9 @@ def paired(differences: Sequence[float]) -> Paired:
     d = np.asarray(differences, dtype=float)
     if d.ndim != 1 or len(d) == 0 or not np.isfinite(d).all():
         raise ValueError(f"paired() needs one or more finite differences, got {list(differences)!r}")
-    n, mean = len(d), float(d.mean())
-    if n == 1:
-        return Paired(mean, math.nan, math.nan, 1, math.nan)
-    sd = float(d.std(ddof=1))
-    half = float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * sd / math.sqrt(n)
-    return Paired(mean, mean - half, mean + half, n, sd)
+    if len(d) == 1:
+        return Paired(float(d[0]), math.nan, math.nan, 1, math.nan)
+    return _mean_interval(d, float(stats.t.ppf(0.5 + LEVEL / 2, len(d) - 1)))
 
 
 def seed_pairs(config: dict[int, float], baseline: dict[int, float]) -> list[float]:
@@ -74,11 +74,7 @@ def per_example(correct: Sequence[bool], baseline_correct: Sequence[bool]) -> Pa
     a, b = np.asarray(correct, dtype=float), np.asarray(baseline_correct, dtype=float)
     if a.shape != b.shape or a.ndim != 1 or len(a) < 2:
         raise ValueError(f"per_example() needs two equal-length vectors of at least 2 examples, got {a.shape} and {b.shape}")
-    d = a - b
-    n, mean = len(d), float(d.mean())
-    sd = float(d.std(ddof=1))
-    half = float(stats.norm.ppf(0.5 + LEVEL / 2)) * sd / math.sqrt(n)
-    return Paired(mean, mean - half, mean + half, n, sd)
+    return _mean_interval(a - b, float(stats.norm.ppf(0.5 + LEVEL / 2)))
 
 
 def bleu_paired(hypotheses: Sequence[str], baseline: Sequence[str], references: Sequence[str],
