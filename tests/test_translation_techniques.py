@@ -41,12 +41,13 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def trainer(data: Path, extra: list[str]):  # type: ignore[no-untyped-def]
     """fairseq's own Trainer for the tiny model with the plugin and ``extra`` options, built as fairseq-train
-    builds it (seed 0)."""
+    builds it (seed 0). No loader workers: fairseq's default of one worker process per iterator is shut down when
+    the iterator is collected, which waits seconds per iterator in whichever test runs next."""
     from fairseq import options, tasks
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
     from fairseq.trainer import Trainer
 
-    args = options.parse_args_and_arch(options.get_training_parser(), [str(data / "bin"), *PLUGIN, *TINY, "--cpu", *extra])
+    args = options.parse_args_and_arch(options.get_training_parser(), [str(data / "bin"), *PLUGIN, *TINY, "--cpu", "--num-workers", "0", *extra])
     cfg = convert_namespace_to_omegaconf(args)
     task = tasks.setup_task(cfg.task)
     task.load_dataset("train")
