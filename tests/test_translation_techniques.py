@@ -68,7 +68,9 @@ def batch(task, indices: list[int]) -> dict:  # type: ignore[no-untyped-def]
     ["--update-freq", "2", "--max-tokens", "500"],
     # A low initial loss scale: fairseq 0.12's Trainer calls .cuda() on an fp16 overflow, which fails on CPU.
     ["--memory-efficient-fp16", "--fp16-init-scale", "4", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
-], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr"])
+    ["--precision", "mixed-bf16", "--checkpoint-activations"],
+    ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
+], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr", "mixed-bf16+checkpoint", "half-bf16+adamw+dsr"])
 def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: list[str], tmp_path: Path) -> None:
     args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
             "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
@@ -117,6 +119,49 @@ def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(d
     for (name, a), (_, b) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
         if a.grad is not None:
             assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.slow
+def test_mixed_bf16_checkpointed_layers_recompute_in_bf16_and_give_identical_gradients(data: Path) -> None:
+    """fairseq's checkpoint recomputes a layer in the backward pass, outside the model's autocast; the plugin's
+    layers carry their own, so the recomputation is the same bf16 computation, bit for bit."""
+    plain, task = trainer(data, ["--dropout", "0.3", "--precision", "mixed-bf16"])
+    ckpt, _ = trainer(data, ["--dropout", "0.3", "--precision", "mixed-bf16", "--checkpoint-activations"])
+    fp32, _ = trainer(data, ["--dropout", "0.3"])
+    sample = batch(task, list(range(16)))
+    outs = []
+    for t in (plain, ckpt, fp32):
+        torch.manual_seed(1)
+        outs.append(t.train_step([sample])["loss"])
+    assert outs[0] == outs[1] and outs[0] != outs[2]  # bf16 is not fp32: autocast acted
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
+        assert a.dtype == torch.float32  # master weights stay fp32
+        if a.grad is not None:
+            assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.slow
+def test_lowmem_adamw_takes_fairseqs_adam_step_in_fp32(data: Path) -> None:
+    """The same update as fairseq's Adam, up to where eps enters (fairseq adds it before dividing by the second
+    moment's bias correction, torch after): a few steps on the same batches agree to rounding."""
+    ref, task = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001"])
+    ours, _ = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001", "--optimizer", "lowmem_adamw"])
+    for i in range(3):
+        s = batch(task, list(range(8 * i, 8 * i + 8)))
+        ref.train_step([s])
+        ours.train_step([s])
+    moved = 0
+    for (name, a), (_, b) in zip(ref.model.named_parameters(), ours.model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    for a, b0 in zip(ref.model.parameters(), trainer(data, NO_DROPOUT)[0].model.parameters()):
+        moved += not torch.equal(a, b0)
+    assert moved > 10  # the steps moved the weights, so agreeing is not agreeing on nothing
+    assert isinstance(ours.optimizer.optimizer, torch.optim.AdamW)
+
+
+def test_bf16_cannot_be_combined_with_fairseqs_16_bit_flags(data: Path) -> None:
+    with pytest.raises(ValueError, match="use one of them"):
+        trainer(data, ["--precision", "half-bf16", "--memory-efficient-fp16"])
 
 
 def test_a_sparse_linear_computes_the_masked_dense_linear() -> None:
@@ -220,6 +265,31 @@ def test_the_accountant_holds_fairseqs_fp16_tensors_at_their_real_width() -> Non
     # unused conv_bias too: its master gradient is zeros, not None). For each unused conv_bias fairseq assigns a
     # new zero master gradient each step before the old one goes: 512 floats held twice for a moment.
     assert mixed.category_max["optimizer"] == 4 * n + 4 * n + 2 * 4 * n + 4 * 512
+
+
+def test_the_accountant_holds_the_plugins_bf16_tensors_at_their_real_width() -> None:
+    plugin = [*FULL, *PLUGIN, "--arch", ARCH]
+    model, _ = translation_memory.build(plugin, 8848, 6632)
+    n, used = _used(plugin)
+    tensors = sum(1 for _ in model.parameters()) - 13  # parameter tensors that get a gradient (13 unused conv_bias)
+    half = translation_memory.account([*plugin, "--precision", "half-bf16"], 8848, 6632, tokens=4000, length=32)
+    # bf16 weights and buffers; fairseq's Adam upcasts each weight to a transient fp32 copy for its update (the
+    # largest is the German embedding table) and keeps fp32 state.
+    assert half.category_max["model"] == 2 * n + 2 * BUFFERS + 4 * LARGEST
+    assert half.category_max["gradients"] == 2 * used
+    assert half.category_max["optimizer"] == 2 * 4 * used
+    allbf16 = translation_memory.account([*plugin, "--precision", "half-bf16", "--optimizer", "lowmem_adamw"], 8848, 6632,
+                                         tokens=4000, length=32)
+    # torch's AdamW: bf16 moments and one fp32 step count per parameter tensor; no fp32 copy of any weight.
+    assert allbf16.category_max["model"] == 2 * n + 2 * BUFFERS
+    assert allbf16.category_max["optimizer"] == 2 * 2 * used + 4 * tensors
+    fp32 = translation_memory.account(plugin, 8848, 6632, tokens=4000, length=32)
+    mixed = translation_memory.account([*plugin, "--precision", "mixed-bf16"], 8848, 6632, tokens=4000, length=32)
+    # Mixed: fp32 weights, gradients and Adam state as in fp32; activations saved in bf16, except the fp32 loss.
+    assert mixed.category_max["gradients"] == fp32.category_max["gradients"] == 4 * used
+    assert mixed.category_max["optimizer"] == fp32.category_max["optimizer"]
+    assert half.at_peak["activations"] < 0.6 * fp32.at_peak["activations"]
+    assert mixed.at_peak["activations"] < 0.75 * fp32.at_peak["activations"]
 
 
 def test_the_accountant_sees_one_microbatch_of_activations_and_checkpointed_layers() -> None:

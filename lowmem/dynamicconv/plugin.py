@@ -9,7 +9,18 @@ fairseq already has two of the levers, and they are used as they are:
   (torch's CUDA autocast; a no-op on CPU). fairseq 0.12's ``--bf16`` means TPU and does not run elsewhere;
 - microbatching: ``--update-freq k`` with ``--max-tokens T/k`` (gradients accumulated over k batches).
 
-The plugin adds the other two, as options of the model:
+fairseq 0.12 has no 16-bit training on the CPU: ``--fp16`` builds its fp32 copy on CUDA, ``--memory-efficient-fp16``
+calls ``.cuda()`` at the first overflow, and ``--bf16`` turns on ``--tpu``. So the plugin adds bf16 as a model
+option, with the WRN track's names (``lowmem.techniques.precision``), which needs no loss scaling (bf16 has fp32's
+exponent range):
+
+- ``--precision mixed-bf16``: the forward pass under ``torch.autocast`` (bf16 activations); weights, gradients and
+  Adam's state stay fp32. Works with fairseq's own Adam.
+- ``--precision half-bf16``: the model cast to bf16, so weights and gradients are bf16. fairseq's Adam always keeps
+  fp32 state (it upcasts each parameter), which gives "bf16 weights, fp32 Adam state"; ``--optimizer lowmem_adamw``
+  (below) keeps the state in the parameters' dtype, which makes everything 16-bit.
+
+The plugin adds the other two techniques, as options of the model:
 
 - ``--checkpoint-activations``, named as the transformer's: each encoder and decoder layer wrapped in fairseq's
   own ``checkpoint_wrapper``, which lightconv does not offer;
@@ -26,13 +37,19 @@ model's state dict, so fairseq's own checkpoints resume it.
 
 from __future__ import annotations
 
+import ast
+import functools
 import json
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.lightconv import LightConvModel, lightconv_iwslt_de_en
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
+from fairseq.optim import FairseqOptimizer, register_optimizer
+from fairseq.optim.adam import FairseqAdamConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
@@ -40,6 +57,8 @@ from lowmem.techniques import sparse_linear, sparsity
 
 ARCH = "lowmem_lightconv_iwslt_de_en"
 TASK = "lowmem_translation"
+OPTIMIZER = "lowmem_adamw"
+PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
 
 
 def default_reallocate_fraction() -> float:
@@ -63,11 +82,27 @@ def _periods(text: str) -> tuple[int, ...]:
     return periods
 
 
+def _autocast_forward(module: torch.nn.Module) -> None:
+    """Runs ``module``'s forward under bf16 autocast. Applied to each layer before ``checkpoint_wrapper``, so that
+    the recomputation in the backward pass, which fairseq's checkpoint runs outside the model's forward and without
+    restoring autocast, recomputes the same bf16 activations."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        device = next(module.parameters()).device.type
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return inner(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
 @register_model("lowmem_lightconv")
 class LowmemLightConvModel(LightConvModel):
     """fairseq's LightConvModel with optional sparse layers and per-layer activation checkpointing."""
 
     dsr: sparsity.DSR | None = None
+    precision: str = "fp32"  # --precision, set by build_model
 
     @staticmethod
     def add_args(parser: Any) -> None:
@@ -87,6 +122,11 @@ class LowmemLightConvModel(LightConvModel):
         parser.add_argument("--dsr-periods", type=str, metavar="LIST",
                             help="DSR rewiring periods in updates from 0, 12.5, 40 and 70%% of --max-update, e.g. '[100,200,400,800]' "
                                  "(none after 95%%); shorter periods adapt more and cost more rewirings")
+        parser.add_argument("--precision", choices=PRECISIONS,
+                            help="bf16 training that runs on the CPU: mixed-bf16 runs the forward pass under autocast (bf16 "
+                                 "activations, fp32 weights, gradients and Adam state); half-bf16 casts the model (bf16 weights "
+                                 "and gradients; add --optimizer lowmem_adamw for bf16 Adam state too). Less memory, at the cost "
+                                 "of rounding in every op; for CUDA fp16 use --fp16")
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> LowmemLightConvModel:
@@ -97,8 +137,12 @@ class LowmemLightConvModel(LightConvModel):
         if dsr and getattr(args, "fp16", False) and not getattr(args, "memory_efficient_fp16", False):
             # FP16Optimizer flattens the fp32 copy at fixed per-layer sizes; DSR moves nonzeros between layers.
             raise ValueError("--sparsity with --sparse-method dsr cannot run with --fp16; use --memory-efficient-fp16")
+        if args.precision != "fp32" and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+            raise ValueError(f"--precision {args.precision} is the plugin's bf16 and cannot be combined with fairseq's "
+                             "--fp16/--memory-efficient-fp16/--bf16; use one of them")
         base = LightConvModel.build_model(args, task)
         model = cls(base.encoder, base.decoder)
+        model.precision = args.precision
         if args.sparsity > 0:
             layers = sparse_linear.sparsify(model, sparse_candidates(model), args.sparsity, args.sparse_method, seed=getattr(args, "seed", 1))
             total = getattr(args, "max_update", 0)
@@ -106,10 +150,23 @@ class LowmemLightConvModel(LightConvModel):
                 dense = sum(layer.shape.numel() for layer in layers.values())
                 model.dsr = sparsity.DSR(layers, total_steps=total, reallocate=max(1, round(args.dsr_reallocate * dense)),  # type: ignore[arg-type]
                                          periods=periods, seed=getattr(args, "seed", 1))
-        if args.checkpoint_activations:
-            for layer in [*model.encoder.layers, *model.decoder.layers]:
+        for layer in [*model.encoder.layers, *model.decoder.layers]:
+            if args.precision == "mixed-bf16":
+                _autocast_forward(layer)
+            if args.checkpoint_activations:
                 checkpoint_wrapper(layer)
+        if args.precision == "half-bf16":
+            model.to(torch.bfloat16)  # after sparsify: the sparse layers' values become bf16 too, indices stay int
         return model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Autocast around the whole model (embeddings and the output projection, the largest matmul, included);
+        # the layers carry their own for checkpointing's recomputation. Generation calls encoder and decoder
+        # directly, so a mixed-bf16 model translates in fp32.
+        if self.precision != "mixed-bf16":
+            return super().forward(*args, **kwargs)  # autocast refuses the meta device even when disabled
+        with torch.autocast(next(self.parameters()).device.type, dtype=torch.bfloat16):
+            return super().forward(*args, **kwargs)
 
     def get_extra_state(self) -> dict[str, Any]:
         return self.dsr.state_dict() if self.dsr is not None else {}
@@ -132,6 +189,7 @@ def lowmem_lightconv_iwslt_de_en(args: Any) -> None:
     args.sparse_method = getattr(args, "sparse_method", "dsr")
     args.dsr_reallocate = getattr(args, "dsr_reallocate", default_reallocate_fraction())
     args.dsr_periods = getattr(args, "dsr_periods", "[100,200,400,800]")  # the WRN recipe's (paper notes)
+    args.precision = getattr(args, "precision", None) or "fp32"
     lightconv_iwslt_de_en(args)
 
 
@@ -144,3 +202,31 @@ class LowmemTranslationTask(TranslationTask):
         dsr = getattr(model, "dsr", None)
         if dsr is not None:
             dsr.after_step(optimizer.optimizer)  # the torch optimizer, whose state DSR realigns
+
+
+@dataclass
+class LowmemAdamWConfig(FairseqAdamConfig):
+    pass
+
+
+@register_optimizer(OPTIMIZER, dataclass=LowmemAdamWConfig)
+class LowmemAdamW(FairseqOptimizer):
+    """fairseq's Adam as ``torch.optim.AdamW``, whose state takes each parameter's dtype (bf16 under ``--precision
+    half-bf16``). fairseq's own Adam is the same update (decoupled weight decay, the same options) but upcasts every
+    parameter and keeps fp32 state, and its 16-bit wrappers are CUDA- or TPU-only in fairseq 0.12."""
+
+    def __init__(self, cfg: LowmemAdamWConfig, params: Any) -> None:
+        super().__init__(cfg)
+        self._optimizer = torch.optim.AdamW(params, **self.optimizer_config)
+
+    @property
+    def optimizer_config(self) -> dict[str, Any]:
+        """As fairseq's Adam reads its options (a checkpoint's optimizer is rebuilt with these)."""
+        betas = self.cfg.adam_betas
+        return {"lr": self.cfg.lr[0] if isinstance(self.cfg.lr, Collection) else self.cfg.lr,
+                "betas": tuple(ast.literal_eval(betas) if isinstance(betas, str) else betas),
+                "eps": self.cfg.adam_eps, "weight_decay": self.cfg.weight_decay}
+
+    @property
+    def supports_flat_params(self) -> bool:
+        return True

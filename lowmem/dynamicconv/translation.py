@@ -231,18 +231,28 @@ def hypotheses(text: str) -> list[str]:
     return [hyps[i] for i in sorted(hyps)]
 
 
+def detokenized(hyps: list[str]) -> list[str]:
+    """fairseq-generate's hypotheses (BPE removed, Moses-tokenized) as plain English sentences, for sacreBLEU."""
+    from sacremoses import MosesDetokenizer
+
+    md = MosesDetokenizer(lang="en")
+    return [md.detokenize(h.split(), unescape=True) for h in hyps]
+
+
+def test_references(data_dir: Path) -> list[str]:
+    """The untokenized English side of the test split, which sacreBLEU scores against."""
+    return (data_dir / "bpe" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
+
+
 def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     """sacreBLEU of the detokenized hypotheses against the untokenized references. The model writes lowercase
     (the recipe lowercases), so the score is case-insensitive. Returns (score, sacreBLEU's signature)."""
     from sacrebleu.metrics import BLEU
-    from sacremoses import MosesDetokenizer
 
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
-    md = MosesDetokenizer(lang="en")
-    detok = [md.detokenize(h.split(), unescape=True) for h in hyps]
     bleu = BLEU(lowercase=True)
-    return round(bleu.corpus_score(detok, [refs]).score, 2), str(bleu.get_signature())
+    return round(bleu.corpus_score(detokenized(hyps), [refs]).score, 2), str(bleu.get_signature())
 
 
 def evaluate(p: TranslationEvaluateParams, data_dir: Path, save_dir: Path, out_dir: Path | None = None,
@@ -265,7 +275,7 @@ def evaluate(p: TranslationEvaluateParams, data_dir: Path, save_dir: Path, out_d
     (out_dir / "generate.txt").write_text(r.stdout)
     if r.returncode != 0:
         raise RuntimeError(f"fairseq-generate failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    refs = (data_dir / "bpe" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
+    refs = test_references(data_dir)
     sacre, signature = sacrebleu_score(hypotheses(r.stdout), refs)
     return {"bleu_tokenized": parse_bleu(r.stdout), "sacrebleu": sacre, "sacrebleu_signature": signature,
             "test_sentences": len(refs), "checkpoint": checkpoint.name, "beam": p.beam, "averaged_checkpoints": p.average_last}

@@ -78,13 +78,14 @@ def per_example(correct: Sequence[bool], baseline_correct: Sequence[bool]) -> Pa
 
 
 def bleu_paired(hypotheses: Sequence[str], baseline: Sequence[str], references: Sequence[str],
-                resamples: int = 1000, seed: int = 12345) -> Paired:
+                resamples: int = 1000, seed: int = 12345, lowercase: bool = False) -> Paired:
     """sacreBLEU's paired bootstrap resampling of the test set: the BLEU change of ``hypotheses`` over ``baseline``
-    (detokenized sentences, against the same ``references``) and its ``LEVEL`` interval over the resamples.
+    (detokenized sentences, against the same ``references``; ``lowercase`` as sacreBLEU's option) and its ``LEVEL``
+    interval over the resamples.
     sacreBLEU draws the same sentence indices for both systems, which is what makes it paired."""
     if not (len(hypotheses) == len(baseline) == len(references)):
         raise ValueError(f"{len(hypotheses)} and {len(baseline)} hypotheses for {len(references)} references")
-    bleu = BLEU()
+    bleu = BLEU(lowercase=lowercase)
     # The resampling of sacreBLEU's PairedTest (significance._paired_bs_test): per-sentence sufficient statistics,
     # one index draw shared by both systems, BLEU recomputed from summed statistics. PairedTest returns a p-value
     # and each system's own interval, not the interval of the difference, so the difference is taken here.

@@ -43,8 +43,10 @@ from lowmem.dynamicconv.params import (
 from lowmem.dynamicconv.plugin import ARCH, TASK
 from lowmem.dynamicconv.translation import PLUGIN_DIR
 from lowmem.memory.accounting import CATEGORIES, MIB
+from lowmem.studies import quality
 
 PLUGIN = ["--user-dir", str(PLUGIN_DIR), "--task", TASK, "--arch", ARCH]
+BOOTSTRAP = 1000  # sacreBLEU's default number of paired-bootstrap resamples
 
 
 def plugin_args(p: TranslationTechniquesParams, name: str) -> list[str]:
@@ -93,6 +95,7 @@ def train_all(p: TranslationTechniquesParams, data_dir: Path = translation.DATA)
                                   save_dir / "generate", tuple(PLUGIN[:2]))
         last_valid = [r for r in records if r["kind"] == "valid"][-1:]
         out.append({"technique": name, "key": res["key"], "trained": res["trained"], "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"],
+                    "hypotheses": translation.detokenized(translation.hypotheses((save_dir / "generate" / "generate.txt").read_text())),
                     "valid_loss": last_valid[0]["valid_loss"] if last_valid else None,
                     "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r)})
     return out
@@ -124,9 +127,15 @@ def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> di
     timing = time_steps(p, data_dir)
     base = next(r for r in trained if r["technique"] == "baseline")
     per = pd.DataFrame(timing).groupby("technique").seconds_per_update.median()
+    refs = translation.test_references(data_dir)
     for r in trained:
         r["bleu_change"] = round(r["bleu_tokenized"] - base["bleu_tokenized"], 2)
         r["sacrebleu_change"] = round(r["sacrebleu"] - base["sacrebleu"], 2)
+        # One seed: the interval is the test set's sampling (sacreBLEU's paired bootstrap), not training's noise.
+        change = quality.bleu_paired(r["hypotheses"], base["hypotheses"], refs, resamples=BOOTSTRAP, lowercase=True)
+        r["sacrebleu_change_low"], r["sacrebleu_change_high"] = round(change.low, 2), round(change.high, 2)
+    for r in trained:
+        del r["hypotheses"]  # kept in each run's generate.txt; the metrics stay small
     return {"profile": p.profile, "max_update": p.max_update, "seed": p.seed, "trained": trained, "timing": timing,
             "time_ratio": {n: round(float(per[n] / per["baseline"]), 3) for n in p.timed}}
 
@@ -223,14 +232,19 @@ def bleu_time_figure(p: TranslationTechniquesParams, t: Trained) -> Figure:
     """Left: each trained run's BLEU change against the baseline; right: each timed run's seconds per update against
     the baseline's of the same round (bars: median, lines: the rounds' span)."""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"wspace": 0.45})
-    sns.barplot(pd.DataFrame(t.runs["trained"]), y="technique", x="bleu_change", hue="technique", palette="colorblind",
-                legend=False, ax=ax1)
+    trained = pd.DataFrame(t.runs["trained"])
+    sns.barplot(trained, y="technique", x="sacrebleu_change", hue="technique", palette="colorblind", legend=False, ax=ax1)
+    bars = list(ax1.containers)  # before the error bars, which are containers too
     ax1.axvline(0, color="black", lw=0.8)
-    for c in ax1.containers:
+    interval = "sacrebleu_change_low" in trained
+    if interval:  # results recorded before the paired bootstrap have no interval
+        ax1.errorbar(trained.sacrebleu_change, range(len(trained)), fmt="none", ecolor="black", capsize=3, lw=1,
+                     xerr=[trained.sacrebleu_change - trained.sacrebleu_change_low, trained.sacrebleu_change_high - trained.sacrebleu_change])
+    for c in bars:
         ax1.bar_label(c, fmt="%+.2f", padding=3, fontsize=8)
     ax1.margins(x=0.25)
-    ax1.set(xlabel="BLEU change against the baseline (tokenized, fairseq)", ylabel="",
-            title=f"BLEU change · profile: {p.profile} · {t.corpus['source']}")
+    ax1.set(xlabel="sacreBLEU change against the baseline" + (" (95% paired bootstrap over test sentences, one seed)" if interval else ""),
+            ylabel="", title=f"BLEU change · profile: {p.profile} · {t.corpus['source']}")
     timing = pd.DataFrame(t.runs["timing"])
     base = timing.query("technique == 'baseline'").groupby("repeat").seconds_per_update.median().rename("base")
     timing = timing.merge(base, left_on="repeat", right_index=True)
