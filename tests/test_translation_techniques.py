@@ -142,17 +142,21 @@ def test_mixed_bf16_checkpointed_layers_recompute_in_bf16_and_give_identical_gra
 
 @pytest.mark.slow
 def test_lowmem_adamw_takes_fairseqs_adam_step_in_fp32(data: Path) -> None:
-    """The same update as fairseq's Adam, up to where eps enters (fairseq adds it before dividing by the second
-    moment's bias correction, torch after): a few steps on the same batches agree to rounding."""
-    ref, task = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001"])
-    ours, _ = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001", "--optimizer", "lowmem_adamw"])
+    """The same update as fairseq's Adam except where eps enters (fairseq adds it before dividing by the second
+    moment's bias correction, torch after; at the default 1e-8 that moves rarely used embedding rows by about 1% of
+    a step): with a negligible eps, a few steps on the same batches agree to rounding."""
+    ref, task = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001", "--adam-eps", "1e-12"])
+    ours, _ = trainer(data, [*NO_DROPOUT, "--weight-decay", "0.0001", "--adam-eps", "1e-12", "--optimizer", "lowmem_adamw"])
     for i in range(3):
         s = batch(task, list(range(8 * i, 8 * i + 8)))
         ref.train_step([s])
         ours.train_step([s])
     moved = 0
     for (name, a), (_, b) in zip(ref.model.named_parameters(), ours.model.named_parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+        # The unused conv_bias is never initialized, so its garbage differs between models. A key projection's bias
+        # adds the same to every score of a softmax, so its gradient is rounding noise, which Adam scales to steps.
+        if a.grad is not None and not name.endswith("k_proj.bias"):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)  # 1% of a step (lr 1e-3)
     for a, b0 in zip(ref.model.parameters(), trainer(data, NO_DROPOUT)[0].model.parameters()):
         moved += not torch.equal(a, b0)
     assert moved > 10  # the steps moved the weights, so agreeing is not agreeing on nothing
