@@ -90,6 +90,9 @@ def test_08_translation_techniques_fp16_halves_the_weights(notebook_metrics: Cal
     assert abs(2 * mem["fp16"]["model"] - mem["baseline"]["model"]) <= 0.002
     for name, row in mem.items():
         assert abs(sum(row[c] for c in ("model", "gradients", "optimizer", "activations", "other")) - row["total"]) <= 0.003, name
+    assert m["bleu"]["baseline"]["sacrebleu_change_low"] == m["bleu"]["baseline"]["sacrebleu_change_high"] == 0
+    for name, row in m["bleu"].items():
+        assert row["sacrebleu_change_low"] <= row["sacrebleu_change"] <= row["sacrebleu_change_high"], name
 
 
 def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics: Callable[[str, str], dict]) -> None:

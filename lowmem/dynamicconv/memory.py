@@ -8,6 +8,11 @@ It runs on the meta device at full size, in a few seconds per command line. One 
 rather than a shape: the encoder asks whether the batch has any padding (``encoder_padding_mask.any()``).
 The accounted batches have none (every sentence is ``length`` tokens), so :class:`_Unpadded` answers that question
 on meta tensors; a test checks that meta and real CPU tensors account the same bytes.
+
+The plugin's ``--precision mixed-bf16`` is accounted on fake CPU tensors instead (autocast acts on a device type,
+and meta is none). Under ``half-bf16`` one kernel differs between meta and the CPU: meta's layer norm saves its
+mean and 1/std in fp32, as CUDA's does, and the CPU's in bf16, 4 bytes less per token per layer norm; the
+accountant keeps meta's (the GPU's) bytes, and a test states the difference exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import logging
 import time
 import types
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import pandas as pd
@@ -173,6 +179,21 @@ class _Unpadded(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextmanager
+def _shapes_as_sizes() -> Iterator[None]:
+    """fairseq's sinusoidal positions take the batch's shape as a tensor (``torch.onnx.operators.shape_as_tensor``)
+    and compare it with an int, which a fake tensor, having no data, cannot answer; the shape as a ``torch.Size``
+    answers the same. Used on fake tensors only: on meta, torch computes the shape tensor on the CPU itself."""
+    import torch.onnx.operators as onnx_ops
+
+    real = onnx_ops.shape_as_tensor
+    onnx_ops.shape_as_tensor = lambda x: x.shape  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        onnx_ops.shape_as_tensor = real
+
+
 def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0) -> MemoryReport:
     """The accountant's report of one update. Under the plugin's ``--precision mixed-bf16`` the meta device becomes
     fake CPU tensors, as on the WRN track (``lowmem.techniques.precision.shapes_only``): autocast acts on a device
@@ -186,8 +207,10 @@ def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int,
                 # WRN's pattern out on meta first; the plugin builds its model in one go).
                 raise ValueError("--precision mixed-bf16 with --sparsity cannot be accounted yet; account "
                                  "--precision half-bf16 with --sparsity, or mixed-bf16 alone")
-            ctx, dev = precision.shapes_only(precision.parse(mode))
-            device = str(dev)
+            fake, dev = precision.shapes_only(precision.parse(mode))
+            ctx, device = ExitStack(), str(dev)
+            ctx.enter_context(fake)
+            ctx.enter_context(_shapes_as_sizes())
     with ctx:
         step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device)
         with _Unpadded():

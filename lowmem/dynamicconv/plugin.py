@@ -85,13 +85,19 @@ def _periods(text: str) -> tuple[int, ...]:
 def _autocast_forward(module: torch.nn.Module) -> None:
     """Runs ``module``'s forward under bf16 autocast. Applied to each layer before ``checkpoint_wrapper``, so that
     the recomputation in the backward pass, which fairseq's checkpoint runs outside the model's forward and without
-    restoring autocast, recomputes the same bf16 activations."""
+    restoring autocast, recomputes the same bf16 activations.
+
+    Without autocast's cast cache: the cache holds one bf16 copy of each leaf tensor that needs a gradient, and the
+    recomputation's inputs are such leaves (checkpoint detaches them). A decoder layer would then cast the encoder
+    output once for its key and value projections and sum their gradients in bf16, where the plain step casts it
+    twice and sums in fp32; without the cache both casts twice, and the gradients are the plain step's bit for bit
+    (tests/test_translation_techniques.py). Each weight is used once per layer, so the cache saved no cast there."""
     inner = module.forward
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         device = next(module.parameters()).device.type
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, cache_enabled=False):
             return inner(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]

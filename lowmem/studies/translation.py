@@ -222,7 +222,9 @@ def run_caption(p: TranslationTechniquesParams, t: Trained) -> str:
     machine = "CPU" if p.device == "cpu" or not torch.cuda.is_available() else "GPU"
     return (
         f"BLEU: profile `{p.profile}`, corpus: {t.corpus['source']}; model as scaled for the profile, {t.runs['max_update']} "
-        f"updates per run, seed {t.runs['seed']}, last checkpoint. Only the paper profile is the paper's model on IWSLT'14. "
+        f"updates per run, seed {t.runs['seed']}, last checkpoint. sacrebleu_change_low/high: the 95% interval of the "
+        f"sacreBLEU change by sacreBLEU's paired bootstrap over test sentences ({BOOTSTRAP} resamples; one seed, so it "
+        f"leaves out training's own noise). Only the paper profile is the paper's model on IWSLT'14. "
         f"Memory: the full-size model as above. Time ratio: seconds per update against the baseline's, on this machine "
         f"({machine}). Empty cells: not trained or not timed at this profile (params.yaml, translation_techniques)."
     )
@@ -275,7 +277,8 @@ def metrics(p: TranslationTechniquesParams, mem: pd.DataFrame, t: Trained) -> di
         "max_tokens": p.max_tokens, "updates_per_run": t.runs["max_update"],
         "memory_mib": {r.technique: {**{c: round(getattr(r, f"{c}_mib"), 3) for c in CATEGORIES}, "total": round(r.total_mib, 3),
                                      "reduction": round(r.reduction, 4)} for r in mem.itertuples()},
-        "bleu": {r["technique"]: {k: r[k] for k in ("bleu_tokenized", "sacrebleu", "bleu_change", "sacrebleu_change")}
+        "bleu": {r["technique"]: {k: r[k] for k in ("bleu_tokenized", "sacrebleu", "bleu_change", "sacrebleu_change",
+                                                    "sacrebleu_change_low", "sacrebleu_change_high") if k in r}
                  for r in t.runs["trained"]},
         "time_ratio": t.runs["time_ratio"],
     }
