@@ -233,32 +233,38 @@ def run_caption(p: TranslationTechniquesParams, t: Trained) -> str:
 def bleu_time_figure(p: TranslationTechniquesParams, t: Trained) -> Figure:
     """Left: each trained run's BLEU change against the baseline; right: each timed run's seconds per update against
     the baseline's of the same round (bars: median, lines: the rounds' span)."""
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"wspace": 0.45})
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"wspace": 0.45})
     trained = pd.DataFrame(t.runs["trained"])
     sns.barplot(trained, y="technique", x="sacrebleu_change", hue="technique", palette="colorblind", legend=False, ax=ax1)
-    bars = list(ax1.containers)  # before the error bars, which are containers too
     ax1.axvline(0, color="black", lw=0.8)
     interval = "sacrebleu_change_low" in trained
+    right = trained.sacrebleu_change.clip(lower=0)
     if interval:  # results recorded before the paired bootstrap have no interval
         ax1.errorbar(trained.sacrebleu_change, range(len(trained)), fmt="none", ecolor="black", capsize=3, lw=1,
                      xerr=[trained.sacrebleu_change - trained.sacrebleu_change_low, trained.sacrebleu_change_high - trained.sacrebleu_change])
-    for c in bars:
-        ax1.bar_label(c, fmt="%+.2f", padding=3, fontsize=8)
+        right = trained[["sacrebleu_change_high"]].assign(zero=0.0).max(axis=1)
+    # Each value right of its bar, whisker and the zero line, so that no label sits on a bar or a whisker.
+    pad = 0.03 * max(1.0, float(trained.sacrebleu_change.abs().max()))
+    for i, (change, x) in enumerate(zip(trained.sacrebleu_change, right)):
+        ax1.text(x + pad, i, f"{change:+.2f}", va="center", fontsize=8)
     ax1.margins(x=0.25)
-    ax1.set(xlabel="sacreBLEU change against the baseline" + (" (95% paired bootstrap over test sentences, one seed)" if interval else ""),
-            ylabel="", title=f"BLEU change · profile: {p.profile} · {t.corpus['source']}")
+    ax1.set(xlabel="sacreBLEU change against the baseline" + ("\n(whiskers: 95% paired bootstrap over test sentences, one seed)" if interval else ""),
+            ylabel="")
+    ax1.set_title(f"BLEU change · profile: {p.profile}\n{t.corpus['source']}", fontsize=9)
     timing = pd.DataFrame(t.runs["timing"])
     base = timing.query("technique == 'baseline'").groupby("repeat").seconds_per_update.median().rename("base")
     timing = timing.merge(base, left_on="repeat", right_index=True)
     timing["ratio"] = timing.seconds_per_update / timing.base
-    sns.barplot(timing, y="technique", x="ratio", hue="technique", palette="colorblind", legend=False, errorbar=("pi", 100), ax=ax2)
+    sns.barplot(timing, y="technique", x="ratio", hue="technique", palette="colorblind", legend=False, estimator="median",
+                errorbar=("pi", 100), ax=ax2)
     ax2.axvline(1, color="black", lw=0.8)
-    for c in ax2.containers:
-        ax2.bar_label(c, fmt="%.2fx", padding=3, fontsize=8)
+    ratios = timing.groupby("technique").ratio
+    for i, name in enumerate(dict.fromkeys(timing.technique)):  # seaborn's row order: first appearance
+        ax2.text(max(ratios.max()[name], 1.0) + 0.02, i, f"{ratios.median()[name]:.2f}x", va="center", fontsize=8)
     ax2.margins(x=0.15)
-    ax2.set(xlabel="seconds per update / baseline's (median; lines span the repeats)", ylabel="",
-            title=f"Time per update · profile: {p.profile}")
-    fig.text(0.5, -0.06, run_caption(p, t), ha="center", va="top", wrap=True, fontsize=8)
+    ax2.set(xlabel="seconds per update / baseline's\n(median; lines span the repeats)", ylabel="")
+    ax2.set_title(f"Time per update · profile: {p.profile}\non this machine", fontsize=9)
+    fig.text(0.5, -0.1, run_caption(p, t), ha="center", va="top", wrap=True, fontsize=8)
     return fig
 
 
