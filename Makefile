@@ -22,9 +22,10 @@ repro: setup
 repro-all: setup
 	python -m lowmem.pipeline.stage_times --all
 
-# Every tier in one pytest session (tests/conftest.py: the notebooks reuse the pipeline test's runs). The tiers alone:
+# Every tier in one pytest session, on two pytest-xdist workers (tests/conftest.py: the pipeline test, the notebooks
+# that reuse its runs and the assertions on their metrics share one worker, in order). The tiers alone, serially:
 test: setup
-	python -m pytest
+	python -m pytest -n 2 --dist loadgroup
 
 test-unit: setup
 	python -m pytest tests -m "not slow and not notebook"

@@ -9,6 +9,7 @@ from pathlib import Path
 import papermill
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
 
@@ -21,7 +22,13 @@ def _seed() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # The CPU profiler logs its start/stop at INFO through glog; keep the test output readable.
     logging.getLogger("torch").setLevel(logging.WARNING)
-    # One run store for the whole test session (nbval's kernels inherit it), never the checkout's data/runs: a test
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test` runs two pytest-xdist workers on 2 cores: one torch thread each (and in the processes they
+        # start), so that the workers do not take turns on each other's cores.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+    # One run store for the whole test session (one per xdist worker; nbval's kernels inherit it), never the
+    # checkout's data/runs: a test
     # must train what it asserts on, and must not fill the store a reader's pipeline uses.
     os.environ["LOWMEM_RUNS"] = tempfile.mkdtemp(prefix="lowmem-test-runs-")
 
@@ -31,6 +38,11 @@ def pytest_configure(config: pytest.Config) -> None:
 # (tests/test_notebook_metrics.py). `make test` runs them in one session, in that order: the notebooks take the runs
 # the pipeline test trained from the session's run store, and the assertions read what nbval's run wrote.
 METRICS_TESTS = "test_notebook_metrics.py"
+# Under pytest-xdist (`make test`: -n 2 --dist loadgroup) these share one worker, in collection order, since they share
+# its run store and the notebooks' output folder: the browser test (which runs notebook 01's source), the pipeline
+# copy, the notebooks, then the assertions on what they wrote. The other tests spread over both workers.
+IN_ORDER = ("test_lab.py", "test_pipeline.py", METRICS_TESTS)
+GROUP = "pipeline-and-notebooks"
 SESSION_START = time.time()
 
 
@@ -39,6 +51,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.suffix == ".ipynb" or item.path.name == METRICS_TESTS:
             item.add_marker(pytest.mark.notebook)
+        if (item.path.suffix == ".ipynb" or item.path.name in IN_ORDER) and getattr(config.option, "loadgroup", False):
+            # xdist 3.8.0 groups by the "@group" suffix of a nodeid, which it writes to item._nodeid; pytest 9.2 reads
+            # the nodeid from item._id, so the suffix is set there (xdist's own rewrite then has no effect).
+            item._id = NodeId.parse(f"{item.nodeid}@{GROUP}")
     items.sort(key=lambda item: item.path.name == METRICS_TESTS)  # stable: everything else keeps its order
 
 
