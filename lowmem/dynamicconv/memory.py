@@ -205,7 +205,7 @@ def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int,
             if "--sparsity" in recipe_args:
                 # sparsify draws its pattern from values, which fake tensors do not have (lowmem.wrn.memory lays a
                 # WRN's pattern out on meta first; the plugin builds its model in one go).
-                raise ValueError("--precision mixed-bf16 with --sparsity cannot be accounted yet; account "
+                raise ValueError("--precision mixed-bf16 with --sparsity cannot be accounted; account "
                                  "--precision half-bf16 with --sparsity, or mixed-bf16 alone")
             fake, dev = precision.shapes_only(precision.parse(mode))
             ctx, device = ExitStack(), str(dev)

@@ -244,6 +244,11 @@ def test_references(data_dir: Path) -> list[str]:
     return (data_dir / "bpe" / "raw" / "test.en").read_text(encoding="utf-8").splitlines()
 
 
+# The recipe lowercases both sides, so sacreBLEU scores case-insensitively (its own option), here and in the paired
+# bootstrap of lowmem.studies.translation.
+LOWERCASE = True
+
+
 def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     """sacreBLEU of the detokenized hypotheses against the untokenized references. The model writes lowercase
     (the recipe lowercases), so the score is case-insensitive. Returns (score, sacreBLEU's signature)."""
@@ -251,7 +256,7 @@ def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
 
     if len(hyps) != len(refs):
         raise ValueError(f"{len(hyps)} hypotheses for {len(refs)} references")
-    bleu = BLEU(lowercase=True)
+    bleu = BLEU(lowercase=LOWERCASE)
     return round(bleu.corpus_score(detokenized(hyps), [refs]).score, 2), str(bleu.get_signature())
 
 

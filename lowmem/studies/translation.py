@@ -132,7 +132,7 @@ def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> di
         r["bleu_change"] = round(r["bleu_tokenized"] - base["bleu_tokenized"], 2)
         r["sacrebleu_change"] = round(r["sacrebleu"] - base["sacrebleu"], 2)
         # One seed: the interval is the test set's sampling (sacreBLEU's paired bootstrap), not training's noise.
-        change = quality.bleu_paired(r["hypotheses"], base["hypotheses"], refs, resamples=BOOTSTRAP, lowercase=True)
+        change = quality.bleu_paired(r["hypotheses"], base["hypotheses"], refs, resamples=BOOTSTRAP, lowercase=translation.LOWERCASE)
         r["sacrebleu_change_low"], r["sacrebleu_change_high"] = round(change.low, 2), round(change.high, 2)
     for r in trained:
         del r["hypotheses"]  # kept in each run's generate.txt; the metrics stay small
