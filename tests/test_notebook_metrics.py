@@ -9,10 +9,11 @@ exact byte ratios, categories that add up, and levers proven exact giving the sa
 import itertools
 from collections.abc import Callable
 
+import pytest
 import yaml
 
 from lowmem import config
-from lowmem.studies import combinations
+from lowmem.studies import combinations, proxy_noise
 from lowmem.wrn.models import build_model
 
 MIB = 2**20
@@ -101,3 +102,11 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
         p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
         assert m[track]["accounted"] == len(combinations.grid(p))
+
+
+def test_10_proxy_noise_narrows_with_seeds_and_needs_more_seeds_for_a_tighter_target(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("10_proxy_noise", "proxy_noise")
+    for name, px in m["proxies"].items():
+        widths = [px[f"half_width_{n}_seeds"] for n in proxy_noise.SEEDS_SHOWN]
+        assert all(a > b for a, b in zip(widths, widths[1:])), name
+        assert px["half_width_5_seeds"] == pytest.approx(proxy_noise.half_width(px["sd_full_test"], 5), abs=1e-3), name

@@ -8,7 +8,7 @@ import torch
 from lowmem import runs
 from lowmem.config import ParamError
 from lowmem.wrn.params import BaselineParams
-from lowmem.wrn.train import Techniques, train, train_step
+from lowmem.wrn.train import Techniques, correct_per_example, store_run, train, train_step
 
 TIMING = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
 
@@ -90,3 +90,23 @@ def test_bad_training_parameters_name_themselves(tmp_path: Path, kw: dict, name:
 def test_misspelled_techniques_fail_clearly(kw: dict) -> None:
     with pytest.raises(ValueError, match="sparsity must be in|dsr, static|csr32, csr16|microbatch|unknown checkpoint strategy|not one of fp32, mixed-bf16"):
         Techniques(**kw)  # type: ignore[arg-type]
+
+
+def test_a_run_keeps_its_per_example_correctness_even_when_resumed_after_its_last_epoch(tmp_path: Path) -> None:
+    """The bits behind paired per-example statistics: they reproduce the run's accuracy exactly, and a run killed
+    between its last checkpoint and its result (the loop then has nothing left to run) still gets them."""
+    p = tiny(tmp_path, epochs=2)
+    whole = train(p, 0, progress=False, root=tmp_path / "whole")
+    bits = correct_per_example(store_run(p, 0, root=tmp_path / "whole"), whole[-1]["test_examples"])
+    assert bits is not None and bits.dtype == bool and len(bits) == whole[-1]["test_examples"]
+    assert bits.sum() / len(bits) == whole[-1]["test_acc"]
+
+    def interrupt(epoch: int, _: dict) -> None:
+        if epoch == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(p, 0, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
+    resumed = train(p, 0, progress=False, root=tmp_path / "cut")
+    assert results(resumed) == results(whole)
+    assert (correct_per_example(store_run(p, 0, root=tmp_path / "cut"), len(bits)) == bits).all()

@@ -3,7 +3,7 @@ JSON that the study's notebook reads.
 
     python -m lowmem.pipeline.train_stage STAGE --params data/params/STAGE.yaml --out data/results/STAGE_train.json
 
-STAGE is ``baseline``, ``sparsity``, ``precision`` or ``microbatching``; the resolved parameters come from
+STAGE is ``baseline``, ``sparsity``, ``precision``, ``microbatching`` or ``proxy_noise``; the resolved parameters come from
 ``python -m lowmem.pipeline.stage_params``. Each run is keyed by what changes it (``lowmem.wrn.train.run_fields``), so a run that
 two studies share (the fp32 reference of every study) is trained once, by whichever stage asks first.
 """
@@ -26,7 +26,8 @@ from lowmem.studies import params as _study_params  # noqa: F401  (registers the
 from lowmem.studies import precision as precision_study
 from lowmem.studies import sparsity as sparsity_study
 from lowmem.wrn.params import BaselineParams
-from lowmem.wrn.train import Techniques, store_run, train
+from lowmem.studies import proxy_noise, quality
+from lowmem.wrn.train import Techniques, correct_per_example, store_run, train
 
 Planned = tuple[dict[str, Any], BaselineParams, int, Techniques]
 
@@ -40,6 +41,7 @@ PLANS: dict[str, Callable[[Any], list[Planned]]] = {
     "sparsity": sparsity_study.plan,
     "precision": precision_study.plan,
     "microbatching": microbatching.plan,
+    "proxy_noise": proxy_noise.plan,
 }
 
 
@@ -60,7 +62,11 @@ def collect(stage: str, p: Any, progress: bool = True) -> dict[str, Any]:
             what = ", ".join(f"{k}={v}" for k, v in labels.items()) or "baseline"
             print(f"[{i + 1}/{len(planned)}] {what}, seed {seed}: {'training' if trained else 'in the store'} ({run.key})", flush=True)
         history = train(base, seed, tech, progress=progress)
-        out.append({"key": run.key, "labels": labels, "seed": seed, "trained": trained, "history": history})
+        record = {"key": run.key, "labels": labels, "seed": seed, "trained": trained, "history": history}
+        correct = correct_per_example(run, history[-1]["test_examples"])
+        if correct is not None:  # every run trained since the store kept it; paired per-example statistics read it
+            record["test_correct"] = quality.pack_bits(correct)
+        out.append(record)
     n = sum(r["trained"] for r in out)
     if progress:
         print(f"{stage}: {len(out)} runs, {n} trained, {len(out) - n} taken from the store", flush=True)
@@ -81,6 +87,23 @@ def results(stage: str, p: Any, path: str | Path, progress: bool = True) -> dict
             return res
     res = collect(stage, p, progress)
     runs.write_json(path, res)
+    return res
+
+
+def frozen_results(stage: str, p: Any, path: str | Path, command: str, progress: bool = True) -> dict[str, Any]:
+    """The results of a stage left out of ``make repro`` (frozen in dvc.yaml, its output committed): read from
+    ``path`` as they are, even where the training code has changed since (a frozen result is not retrained by the
+    default pipeline; ``current_keys`` says how many runs today's code would key alike). They must hold the runs
+    ``p`` plans, by labels and seed; a missing file (a smoke run, a notebook opened alone) is collected here."""
+    path = Path(path)
+    if not path.exists():
+        runs.write_json(path, collect(stage, p, progress))
+    res = runs.read_json(path)
+    planned = [(labels, seed) for labels, _, seed, _ in plan(stage, p)]
+    if [(r["labels"], r["seed"]) for r in res["runs"]] != planned or res["profile"] != p.profile:
+        raise ParamError(f"{path} holds other runs than stage {stage} plans at profile {p.profile} (params.yaml "
+                         f"changed since it was made); rerun them: {command}")
+    res["current_keys"] = sum(r["key"] == k for r, k in zip(res["runs"], keys(stage, p)))
     return res
 
 

@@ -208,3 +208,47 @@ class SparsityParams:
             raise ParamError(f"formats must be [value_bytes, index_bytes] pairs, each 4 or 2, got {self.formats!r}")
         if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
             raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+
+
+PROXY_FIELDS = ("model", "epochs", "train_subset")  # what a proxy may change of the baseline block
+
+
+@stage("proxy_noise")
+@dataclass
+class ProxyNoiseParams:
+    """Stage ``proxy_noise``: how much the WRN quality proxy's test accuracy moves from seed to seed, at a few proxy
+    sizes, and what interval on a quality difference that buys (notebook 10). Each proxy is the ``baseline`` block
+    with some of ``PROXY_FIELDS`` changed, trained on ``seeds`` and tested on the full test split."""
+
+    INHERITS = "baseline"  # the resolved baseline block arrives as `train`
+
+    profile: str = "smoke"
+    seed: int = 0
+    proxies: list[dict] = field(default_factory=lambda: [{"name": "1 epoch"}])  # {name, and fields of PROXY_FIELDS}
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    test_subset: int = 5000  # the smaller test split compared with the full one, drawn as the baseline block draws it
+    targets: list[float] = field(default_factory=lambda: [0.25, 0.4])  # interval half-widths (points) to size seeds for
+    budget_minutes: float = 45.0  # pipeline minutes for quality runs: seeds x configurations x seconds per run must fit
+    configurations: list[int] = field(default_factory=lambda: [8, 12])  # trained configurations to size that budget for
+    train: dict = field(default_factory=dict)  # the baseline block, resolved
+
+    def __post_init__(self) -> None:
+        check_choice("profile", self.profile, PROFILES)
+        if not self.proxies:
+            raise ParamError("proxies must list at least one proxy, e.g. [{name: '3 epochs', epochs: 3}]")
+        names = [px.get("name") if isinstance(px, dict) else None for px in self.proxies]
+        if None in names or len(set(names)) != len(names):
+            raise ParamError(f"proxies: each is a mapping with a unique 'name', got {self.proxies!r}")
+        for px in self.proxies:
+            unknown = set(px) - {"name", *PROXY_FIELDS}
+            if unknown:
+                raise ParamError(f"proxies: {px['name']!r} sets {sorted(unknown)}; a proxy may set only {PROXY_FIELDS}")
+        if len(self.seeds) < 3 or len(set(self.seeds)) != len(self.seeds) or not all(isinstance(s, int) for s in self.seeds):
+            raise ParamError(f"seeds must be 3 or more distinct integers (a spread needs them), got {self.seeds!r}")
+        if not isinstance(self.test_subset, int) or self.test_subset <= 0:
+            raise ParamError(f"test_subset must be a positive integer, got {self.test_subset!r}")
+        if not self.targets or not all(isinstance(t, (int, float)) and t > 0 for t in self.targets):
+            raise ParamError(f"targets must be positive interval half-widths in points, got {self.targets!r}")
+        if not isinstance(self.budget_minutes, (int, float)) or self.budget_minutes <= 0:
+            raise ParamError(f"budget_minutes must be positive, got {self.budget_minutes!r}")
+        check_batch_sizes("configurations", self.configurations)

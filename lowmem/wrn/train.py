@@ -18,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,18 +38,37 @@ from lowmem.wrn.step import wrn_model
 @torch.no_grad()
 def evaluate(
     model: nn.Module, loader: DataLoader, device: torch.device, prec: precision.Precision = precision.parse("fp32")
-) -> tuple[float, float]:
-    """(accuracy, mean loss) on ``loader``, computed in the precision the model trains in."""
+) -> tuple[float, float, torch.Tensor]:
+    """(accuracy, mean loss, per-example correctness as a bool vector in ``loader``'s order) on ``loader``,
+    computed in the precision the model trains in."""
     model.eval()
-    correct, loss_sum, n = 0, 0.0, 0
+    correct, loss_sum = [], 0.0
     for x, y in loader:
         x, y = precision.cast_batch(x.to(device), prec), y.to(device)
         with precision.autocast(prec, device.type):
             out = model(x).float()
         loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-        correct += (out.argmax(1) == y).sum().item()
-        n += len(y)
-    return correct / n, loss_sum / n
+        correct.append((out.argmax(1) == y).cpu())
+    hits = torch.cat(correct)
+    return hits.sum().item() / len(hits), loss_sum / len(hits), hits
+
+
+CORRECT_FILE = "test_correct.npy"  # a finished run's per-example correctness on its test split (packed bits)
+
+
+def _save_bits(path: Path, bits: np.ndarray) -> None:
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:  # a file object: np.save would add ".npy" to the temporary name
+            np.save(f, np.packbits(bits))
+
+    runs.atomic_write(path, write)
+
+
+def correct_per_example(run: runs.Run, examples: int) -> np.ndarray | None:
+    """The finished ``run``'s per-example correctness on its ``examples`` test images (bool), or None if it has
+    none: what paired per-example statistics (``lowmem.studies.quality.per_example``) compare."""
+    path = run.dir / CORRECT_FILE
+    return np.unpackbits(np.load(path), count=examples).astype(bool) if path.exists() else None
 
 
 def _peak_memory_mib(device: torch.device) -> tuple[float, str]:
@@ -157,6 +177,7 @@ def train(
             history = state["history"]
             run.log(f"resumed at epoch {len(history)}")
 
+    hits = None
     for epoch in range(len(history), p.epochs):
         # Batches and augmentations depend only on (seed, epoch): the same after a resume.
         torch.manual_seed(seed * 100_003 + epoch)
@@ -182,7 +203,7 @@ def train(
             bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
         train_seconds = time.perf_counter() - t_epoch
         lr = optimizer.param_groups[0]["lr"]
-        acc, test_loss = evaluate(model, test_loader, device, prec)
+        acc, test_loss, hits = evaluate(model, test_loader, device, prec)
         peak, how = _peak_memory_mib(device)
         row = {
             "seed": seed,
@@ -217,6 +238,11 @@ def train(
         runs.save_torch(ckpt, {**state, "scheduler": scheduler.state_dict(), "history": history})
         if on_epoch_end is not None:
             on_epoch_end(epoch + 1, row)
+    # The last epoch's per-example correctness, kept beside the result: paired statistics need it, and a vector of
+    # 10k bits is too large for the result rows that tables are made from.
+    if hits is None:  # resumed after its last epoch's checkpoint: evaluate those weights once more
+        hits = evaluate(model, test_loader, device, prec)[2]
+    _save_bits(run.dir / CORRECT_FILE, hits.numpy())
     run.finish(history, time.perf_counter() - t_start)
     ckpt.unlink()  # the result is what a finished run keeps; its weights are not needed by any stage
     return history
