@@ -7,12 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import yaml
 
 from lowmem.config import ParamError
-from lowmem.studies import combinations, frontier
+from lowmem.studies import combinations, frontier, quality
 
 ROOT = Path(__file__).parents[1]
 
@@ -102,7 +103,7 @@ def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
 
 def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_level() -> None:
     p = small(sparsity=[0, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8], checkpoint=["none"],
-              singles=[{"precision": "half-bf16"}], levels=[2, 10], slots=4)
+              singles=[{"precision": "half-bf16"}], levels=[2, 10], slots=4, search=False)
     rows = []
     # grid order: baseline, microbatch-8, half-bf16, half-bf16+microbatch-8, sparsity-0.9, sparsity-0.9+microbatch-8, ...
     for cfg, red in zip(combinations.grid(p), [1.0, 12.0, 1.9, 25.0, 2.0, 15.0, 2.1, 30.0]):
@@ -140,8 +141,13 @@ def test_every_profile_chooses_as_many_combinations_as_the_matrix_has_slots() ->
         slots = dvc[f"combination_{task}"]["matrix"]["slot"]
         for profile in ("smoke", "cpu", "paper"):
             p = combinations.resolve_task(task, {**params, "base": {**params["base"], "profile": profile}})
-            assert slots == list(range(p.slots))
-            assert 1 + len(p.singles) + len(p.levels) - len(p.trained_elsewhere) == p.slots
+            if p.search:  # the singles' slots, then the search's
+                slots_all = slots + dvc[f"combination_search_{task}"]["matrix"]["slot"]
+                assert slots == list(range(1 + len(p.singles)))
+            else:
+                slots_all = slots
+            assert slots_all == list(range(p.slots))
+            assert 1 + len(p.singles) + len(p.levels) + combinations.search_slots(p) - len(p.levels) * p.search - len(p.trained_elsewhere) == p.slots
         committed = json.loads((ROOT / f"data/combinations/{task}_selected.json").read_text())
         assert [c["slot"] for c in committed["selected"]] == slots
 
@@ -152,5 +158,81 @@ def test_the_matrix_stages_expand_to_one_run_per_slot() -> None:
     stages = {line.split()[0] for line in out.splitlines() if line.strip()}
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     for task in combinations.TASKS:
-        runs = {s for s in stages if s.startswith(f"combination_{task}@")}
+        runs = {s.replace("combination_search_", "combination_") for s in stages
+                if s.startswith((f"combination_{task}@", f"combination_search_{task}@"))}
         assert runs == {f"combination_{task}@{i}" for i in range(params[f"combinations_{task}"]["slots"])}
+
+
+# --- the quality-aware search -------------------------------------------------------------------------------------
+
+
+def _slot(name: str, accs: list[float], seeds: list[int] = [0, 1, 2]) -> dict:
+    return {"name": name, "seeds": seeds, "per_seed_acc": accs}
+
+
+def test_a_paired_change_pairs_by_seed_in_points() -> None:
+    base = _slot("baseline", [0.80, 0.82, 0.84])
+    other = _slot("x", [0.835, 0.815, 0.79], seeds=[2, 1, 0])  # listed in another order
+    c = combinations.paired_change(other, base)
+    assert c.n == 3 and c.mean == pytest.approx(100 * ((0.79 - 0.80) + (0.815 - 0.82) + (0.835 - 0.84)) / 3)
+
+
+def _search_grid() -> tuple[combinations.CombinationsParams, pd.DataFrame]:
+    p = small(sparsity=[0, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2], checkpoint=["none", "block"],
+              singles=[{"sparsity": 0.9}, {"precision": "half-bf16"}, {"microbatch": 8}], levels=[10, 30], search=True,
+              search_max=True, slots=4 + 3)
+    rows = []
+    for cfg in combinations.grid(p):
+        red = (1.5 if cfg.get("sparsity") else 1) * (2 if cfg.get("precision") else 1) * \
+            {0: 1, 8: 8, 2: 20}[cfg.get("microbatch", 0)] * (1.6 if cfg.get("checkpoint") else 1)
+        rows.append({"name": combinations.name(p, cfg), "config": json.dumps(cfg), "reduction": red,
+                     "time_ratio": 1.0 + 0.3 * bool(cfg.get("checkpoint")), **{d: cfg.get(d, getattr(p, d)[0]) for d in combinations.DIMS}})
+    return p, pd.DataFrame(rows)
+
+
+EFFECTS = {("sparsity", 0.9): quality.Paired(-0.8, -1, -0.6, 3, 0.1), ("precision", "half-bf16"): quality.Paired(-0.1, -0.3, 0.1, 3, 0.1),
+           ("microbatch", 8): quality.Paired(-0.2, -0.4, 0, 3, 0.1)}
+
+
+def test_the_prediction_is_the_sum_of_the_lossy_levers_and_unknown_where_a_lever_was_not_trained_alone() -> None:
+    p, memory = _search_grid()
+    pred = combinations.predict(memory, EFFECTS).set_axis(memory.name)
+    assert pred["baseline"] == 0 and pred["checkpoint-block"] == 0  # exact: adds nothing
+    assert pred["sparsity-0.9+half-bf16+microbatch-8+checkpoint-block"] == pytest.approx(-1.1)
+    assert pred["half-bf16+microbatch-8"] == pytest.approx(-0.3)
+    assert np.isnan(pred["microbatch-2"]) and np.isnan(pred["half-bf16+microbatch-2+checkpoint-block"])
+
+
+def test_the_search_picks_the_smallest_predicted_loss_at_each_level_then_the_largest_predictable_reduction() -> None:
+    p, memory = _search_grid()
+    chosen = ["baseline", "sparsity-0.9", "half-bf16", "microbatch-8"]
+    picks = combinations.search(p, memory, EFFECTS, chosen)
+    # 10x: microbatch-8 (8x) needs checkpointing (12.8x, no loss) or half-bf16 (16x, -0.1): the exact lever wins.
+    # 30x: half-bf16+microbatch-8+checkpoint-block (25.6x) falls short; sparsity costs 0.8, so -0.9 is the least.
+    # Maximum: of what is left, half-bf16+microbatch-8+checkpoint-block (25.6x) beats sparsity-0.9+half-bf16+microbatch-8 (24x).
+    assert [c["name"] for c in picks] == ["microbatch-8+checkpoint-block", "sparsity-0.9+half-bf16+microbatch-8+checkpoint-block",
+                                          "half-bf16+microbatch-8+checkpoint-block"]
+    assert [c["role"] for c in picks] == ["search 10x", "search 30x", "search maximum"]
+    assert picks[1]["predicted_change"] == pytest.approx(-1.1) and picks[2]["predicted_change"] == pytest.approx(-0.3)
+    p.levels = [10, 100]
+    with pytest.raises(ParamError, match="reaches 100x"):
+        combinations.search(p, memory, EFFECTS, chosen)
+
+
+def test_the_search_refuses_an_exact_lever_among_its_singles() -> None:
+    with pytest.raises(ParamError, match="exact levers"):
+        small(search=True, singles=[{"checkpoint": "sqrt"}]).__post_init__()
+
+
+def test_both_rules_decide_from_the_interval_columns() -> None:
+    pts = pd.DataFrame({"name": ["A", "B", "C"], "reduction": [1.0, 10.0, 20.0], "quality_change": [0.0, -0.3, -0.35],
+                        "quality_low": [0.0, -0.39, -0.9], "quality_high": [0.0, -0.2, 0.2], "time_ratio": [1.0, 1.0, 1.0]})
+    assert frontier.best_within(pts, [0.4], rule="mean").name.tolist() == ["C"]
+    assert frontier.best_within(pts, [0.4], rule="interval").name.tolist() == ["B"]
+    assert frontier.best_within(pts.drop(columns=["quality_low", "quality_high"]), [0.4], rule="interval").name.isna().all()
+
+
+def test_each_exact_lever_names_a_test_that_exists() -> None:
+    for lever, ref in combinations.EXACT.items():
+        path, test = ref.split("::")
+        assert f"def {test}(" in (ROOT / path).read_text(), lever

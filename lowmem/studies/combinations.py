@@ -13,6 +13,12 @@ mildest techniques (see ``select``). Each one is a slot of a DVC ``matrix`` stag
 
     python -m lowmem.studies.combinations sweep wrn|dynamicconv [--params params.yaml]
     python -m lowmem.studies.combinations train wrn|dynamicconv --slot N [--params params.yaml]
+    python -m lowmem.studies.combinations search wrn   (then train the slots it picked)
+
+The quality-aware search (WRN, ``search: true``): the singles are lossy levers trained alone on the same seeds as
+the baseline; each one's paired change is its effect, a combination's predicted change is the sum of its levers'
+effects (exact levers, ``EXACT``, add zero), and at each memory level the combination with the smallest predicted
+loss is trained, then the largest reduction that can be predicted. Predicted against measured is notebook 09's.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from lowmem.dynamicconv import translation
 from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTechniquesParams
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
+from lowmem.studies import quality
+from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict
 from lowmem.techniques import precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
@@ -48,7 +56,7 @@ from lowmem.wrn.step import wrn_model
 from lowmem.wrn.train import Techniques, store_run, summarize, train, train_step
 
 TASKS = ("wrn", "dynamicconv")
-DIMS = ("sparsity", "precision", "microbatch", "checkpoint")
+# DIMS and EXACT: lowmem.studies.quality_model, which the frontier reads without this module's imports.
 
 
 @dataclass
@@ -69,6 +77,10 @@ class CombinationsParams:
     slots: int = 3  # slots of the DVC matrix stage; must equal what ``select`` picks (dvc.yaml lists 0 .. slots-1)
     budgets: list[float] = field(default_factory=lambda: [0.1, 0.4, 1.0])  # quality losses of the budget table
     train_seeds: list[int] = field(default_factory=lambda: [0])  # WRN: seeds of each trained combination
+    # WRN: pick the levels' combinations by predicted quality (``search``) once the singles have trained, instead of
+    # by fewest techniques from memory alone; the singles must then be lossy levers, one setting each.
+    search: bool = False
+    search_max: bool = True  # with search: one more slot, the largest reduction whose quality can be predicted
     timing_repeats: int = 1  # WRN: timed steps per combination (after a warm-up), all combinations in turn
     sparse_format: str = "csr16"  # WRN: accounted CSR index width (16-bit where every index fits)
     wrn: dict = field(default_factory=dict)  # WRN: the memory study's shapes (block ``sparsity``: model, batch, ...)
@@ -95,6 +107,13 @@ class CombinationsParams:
             raise ParamError(f"combinations_{self.task}.levels must be increasing reductions above 1, got {self.levels!r}")
         if not self.train_seeds or not all(isinstance(s, int) for s in self.train_seeds):
             raise ParamError(f"combinations_{self.task}.train_seeds must be a non-empty list of integers")
+        if self.search:
+            if self.task != "wrn":
+                raise ParamError(f"combinations_{self.task}.search: the quality-aware search is WRN's only")
+            exact = [c for c in self.singles if set(c) & set(EXACT)]
+            if exact:
+                raise ParamError(f"combinations_wrn.singles: {exact} are exact levers (tested equal to the plain "
+                                 "step), whose quality effect is zero by test; with search, list lossy levers only")
 
 
 
@@ -161,7 +180,7 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
     pool = memory[~memory.name.isin([c["name"] for c in chosen])]
     if p.task == "dynamicconv" and not trainable_16bit(p):
         pool = pool[pool.precision == "fp32"]
-    for level in p.levels:
+    for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]
         if reach.empty:
             raise ParamError(f"combinations_{p.task}.levels: no combination of the grid reaches {level}x (max "
@@ -170,11 +189,62 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
         chosen.append({"name": order[0].name, "role": f"level {level:g}x"})
         pool = pool[pool.name != order[0].name]
     chosen = [c for c in chosen if c["name"] not in p.trained_elsewhere]
-    if len(chosen) != p.slots:
-        raise ParamError(f"combinations_{p.task}: {len(chosen)} combinations are chosen but slots={p.slots}; set slots "
-                         f"to {len(chosen)} and list 0..{len(chosen) - 1} in the matrix of dvc.yaml's stage combination_{p.task}")
+    if len(chosen) + search_slots(p) != p.slots:
+        n = len(chosen) + search_slots(p)
+        raise ParamError(f"combinations_{p.task}: {n} combinations are chosen but slots={p.slots}; set slots to {n} "
+                         f"and list 0..{n - 1} in the matrix of dvc.yaml's stage combination_{p.task}"
+                         f"{' and combination_search_wrn' if p.search else ''}")
     configs = memory.set_index("name").config
     return [{"slot": i, **c, "config": json.loads(configs[c["name"]])} for i, c in enumerate(chosen)]
+
+
+def search_slots(p: CombinationsParams) -> int:
+    """Slots the quality-aware search fills after the singles: one per level, and the maximum."""
+    return len(p.levels) + int(p.search_max) if p.search else 0
+
+
+# --- the quality-aware search (WRN) ----------------------------------------------------------------------------
+
+
+def lever_effects(p: CombinationsParams, trained: list[dict[str, Any]]) -> dict[tuple[str, Any], quality.Paired]:
+    """Each lossy lever's effect alone, (dimension, setting) → its paired change, from the trained singles
+    (``trained``: the metrics of the slots, the baseline among them)."""
+    by_name = {r["name"]: r for r in trained}
+    if "baseline" not in by_name:
+        raise FileNotFoundError("the search needs the trained baseline (slot 0): run `dvc repro combination_wrn`")
+    effects = {}
+    for single in p.singles:
+        (dim, value), = single.items()
+        n = name(p, single)
+        if n not in by_name:
+            raise FileNotFoundError(f"the search needs the trained single {n}: run `dvc repro combination_wrn`")
+        effects[(dim, value)] = paired_change(by_name[n], by_name["baseline"])
+    return effects
+
+
+def search(p: CombinationsParams, memory: pd.DataFrame, effects: dict[tuple[str, Any], quality.Paired],
+           chosen: list[str]) -> list[dict[str, Any]]:
+    """The levels' combinations: at each level, among the combinations not yet ``chosen`` that reach it and whose
+    change can be predicted, the one with the smallest predicted loss; ties (combinations that differ by exact
+    levers) go to the lower time ratio, then the smaller reduction. With ``p.search_max``, then the largest
+    reduction that can be predicted. Each entry is {name, role, config, predicted_change}."""
+    pool = memory.assign(predicted_change=predict(memory, effects))
+    pool = pool[pool.predicted_change.notna() & ~pool.name.isin(chosen)]
+    picks = []
+    for level in p.levels:
+        reach = pool[pool.reduction >= level]
+        if reach.empty:
+            raise ParamError(f"combinations_{p.task}.levels: no combination whose quality can be predicted reaches "
+                             f"{level:g}x (max {pool.reduction.max():.1f}x); lower the level or train more singles")
+        best = reach.sort_values(["predicted_change", "time_ratio", "reduction"], ascending=[False, True, True]).iloc[0]
+        picks.append({"name": best["name"], "role": f"search {level:g}x", "config": json.loads(best.config),
+                      "predicted_change": round(float(best.predicted_change), 4)})
+        pool = pool[pool.name != best["name"]]
+    if p.search_max:
+        best = pool.sort_values(["reduction", "predicted_change"], ascending=[False, False]).iloc[0]
+        picks.append({"name": best["name"], "role": "search maximum", "config": json.loads(best.config),
+                      "predicted_change": round(float(best.predicted_change), 4)})
+    return picks
 
 
 def trainable_16bit(p: CombinationsParams) -> bool:
@@ -330,13 +400,51 @@ def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, l
     return df, chosen
 
 
+def search_step(p: CombinationsParams, sweep_dir: Path, metrics_dir: Path) -> dict[str, Any]:
+    """The search's output (``data/combinations/wrn_search.json``): each lever's effect alone and the levels' picks,
+    slots numbered after the sweep's selection."""
+    selected = json.loads((sweep_dir / f"{p.task}_selected.json").read_text())["selected"]
+    trained = []
+    for c in selected:
+        f = metrics_dir / f"{p.task}-{c['slot']}.json"
+        if not f.exists():
+            raise FileNotFoundError(f"{f} is missing: train the singles first (dvc repro combination_{p.task})")
+        r = json.loads(f.read_text())
+        if r["name"] != c["name"] or r["seeds"] != p.train_seeds:
+            raise FileNotFoundError(f"{f} holds {r['name']} on seeds {r['seeds']}, not {c['name']} on {p.train_seeds}: "
+                                    f"retrain it (dvc repro combination_{p.task})")
+        trained.append(r)
+    effects = lever_effects(p, trained)
+    memory = pd.read_csv(sweep_dir / f"{p.task}_sweep.csv")
+    picks = search(p, memory, effects, [c["name"] for c in selected])
+    return {"profile": p.profile, "seeds": p.train_seeds,
+            "effects": [{"lever": d, "setting": v, "change": e.mean, "low": e.low, "high": e.high, "n": e.n}
+                        for (d, v), e in effects.items()],
+            "selected": [{"slot": len(selected) + i, **c} for i, c in enumerate(picks)]}
+
+
+def chosen_slots(p: CombinationsParams, sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every slot to train: the sweep's selection, then the search's picks where the search has run."""
+    sel_file = sweep_dir / f"{p.task}_selected.json"
+    if not sel_file.exists():
+        raise FileNotFoundError(f"{sel_file} is missing: run the sweep first (dvc repro combinations_sweep_{p.task})")
+    out = json.loads(sel_file.read_text())["selected"]
+    search_file = sweep_dir / f"{p.task}_search.json"
+    if p.search and search_file.exists():
+        out += json.loads(search_file.read_text())["selected"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("sweep", "train"))
+    ap.add_argument("step", choices=("sweep", "select", "search", "train"),
+                    help="sweep: account (and time) the grid and select; select: select again from the sweep's table "
+                         "(the grid unchanged); search: WRN's levels by predicted quality; train: one slot")
     ap.add_argument("task", choices=TASKS)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--slot", type=int, help="train: which chosen combination (0 = the baseline)")
     ap.add_argument("--sweep-dir", type=Path, default=Path("data/combinations"), help="the sweep's table and selection")
+    ap.add_argument("--metrics-dir", type=Path, default=Path("metrics/combinations"), help="search: the trained slots' metrics")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA, help="train: the translation stages' data")
     ap.add_argument("--data-root", default="data/raw", help="WRN: image datasets (the notebooks' ../data/raw, from the repository root)")
     ap.add_argument("--metrics", type=Path, help="train: write the run's metrics here")
@@ -346,22 +454,37 @@ def main(argv: list[str] | None = None) -> int:
         p = resolve_task(args.task, yaml.safe_load(args.params.read_text()))
         if p.train:
             p.train["data_root"] = args.data_root
-        if args.step == "sweep":
-            df, chosen = sweep(p)
-            args.sweep_dir.mkdir(parents=True, exist_ok=True)
-            df.to_csv(args.sweep_dir / f"{p.task}_sweep.csv", index=False)
+        if args.step in ("sweep", "select"):
+            table = args.sweep_dir / f"{p.task}_sweep.csv"
+            if args.step == "sweep":
+                df, chosen = sweep(p)
+                args.sweep_dir.mkdir(parents=True, exist_ok=True)
+                df.to_csv(table, index=False)
+            else:
+                if not table.exists():
+                    raise FileNotFoundError(f"{table} is missing: run the sweep (dvc repro combinations_sweep_{p.task})")
+                df = pd.read_csv(table)
+                if len(df) != len(grid(p)) or list(df.name) != [name(p, c) for c in grid(p)]:
+                    raise ParamError(f"{table} is another grid than params.yaml's: run the sweep again")
+                chosen = select(p, df)
             (args.sweep_dir / f"{p.task}_selected.json").write_text(json.dumps({"profile": p.profile, "selected": chosen}, indent=2) + "\n")
             if args.results:
                 runs.write_json(args.results, {"profile": p.profile, "combinations": len(df), "selected": chosen})
             return 0
+        if args.step == "search":
+            if not p.search:
+                raise ParamError(f"combinations_{p.task}.search is off: the levels were picked by the sweep")
+            out = search_step(p, args.sweep_dir, args.metrics_dir)
+            runs.write_json(args.sweep_dir / f"{p.task}_search.json", out)
+            if args.results:
+                runs.write_json(args.results, out)
+            return 0
         if args.slot is None or args.metrics is None:
             raise ParamError("train needs --slot and --metrics")
-        sel_file = args.sweep_dir / f"{p.task}_selected.json"
-        if not sel_file.exists():
-            raise FileNotFoundError(f"{sel_file} is missing: run the sweep first (dvc repro combinations_sweep_{p.task})")
-        selected = json.loads(sel_file.read_text())["selected"]
+        selected = chosen_slots(p, args.sweep_dir)
         if not 0 <= args.slot < len(selected):
-            raise ParamError(f"slot {args.slot} is not among the {len(selected)} chosen combinations of {p.task}")
+            raise ParamError(f"slot {args.slot} is not among the {len(selected)} chosen combinations of {p.task}"
+                             f"{' (the search picks slots from ' + str(p.slots - search_slots(p)) + ' on: run it first)' if p.search else ''}")
         chosen = selected[args.slot]
         cfg = chosen["config"]
         print(f"== {p.task} slot {args.slot}: {chosen['name']} ({chosen['role']})", flush=True)

@@ -26,6 +26,9 @@ import seaborn as sns
 import yaml
 from matplotlib.figure import Figure
 
+from lowmem.studies import quality
+from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict
+
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
 
@@ -46,62 +49,102 @@ def pareto(df: pd.DataFrame, x: str = "reduction", y: str = "quality_change") ->
 
 
 def best_within(
-    df: pd.DataFrame, budgets: list[float], x: str = "reduction", y: str = "quality_change", cost: str = "time_ratio"
+    df: pd.DataFrame, budgets: list[float], x: str = "reduction", y: str = "quality_change", cost: str = "time_ratio",
+    rule: str = "mean",
 ) -> pd.DataFrame:
-    """One row per budget b: the configuration with the largest ``x`` among those whose ``y`` is at least -b (the
-    quality lost is at most b), ties going to the lower ``cost``. A budget no configuration meets gives a row with
-    no configuration."""
+    """One row per budget b: the configuration with the largest ``x`` among those within b by ``rule``
+    (``lowmem.studies.quality.within_budget`` on ``y`` and its interval ``quality_low``/``quality_high`` where the
+    table has them), ties going to the lower ``cost``. A budget no configuration meets gives a row with no
+    configuration. Every row says its ``rule``."""
     rows = []
     trained = df[df[y].notna()]
+    low = trained["quality_low"] if "quality_low" in trained else pd.Series(np.nan, index=trained.index)
+    high = trained["quality_high"] if "quality_high" in trained else pd.Series(np.nan, index=trained.index)
     for b in budgets:
-        ok = trained[trained[y] >= -b - 1e-12]  # -b itself is within the budget, whatever the float rounding
+        within = [quality.within_budget(quality.Paired(float(m), float(lo), float(hi), 0, np.nan), b, rule)
+                  for m, lo, hi in zip(trained[y], low, high)]
+        ok = trained[within]
         if ok.empty:
-            rows.append(pd.Series({"budget": b}))
+            rows.append(pd.Series({"rule": rule, "budget": b}))
             continue
         order = ok.sort_values([x, cost] if cost in ok else [x], ascending=[False, True] if cost in ok else [False])
-        rows.append(pd.Series({"budget": b, **order.iloc[0].to_dict()}))
-    return pd.DataFrame(rows).reset_index(drop=True)
+        rows.append(pd.Series({"rule": rule, "budget": b, **order.iloc[0].to_dict()}))
+    columns = ["rule", "budget", *[c for c in df.columns if c not in ("rule", "budget")]]
+    return pd.DataFrame(rows).reindex(columns=columns).reset_index(drop=True)
+
+
+def _selected(task: str, sweep_dir: Path) -> dict[str, Any]:
+    """The sweep's selection with the search's picks (WRN, where it has run) appended."""
+    selected = json.loads((sweep_dir / f"{task}_selected.json").read_text())
+    search_file = sweep_dir / f"{task}_search.json"
+    if search_file.exists():
+        search = json.loads(search_file.read_text())
+        selected = {**selected, "selected": selected["selected"] + search["selected"], "effects": search["effects"]}
+    return selected
+
+
+def _exact_fill(df: pd.DataFrame) -> None:
+    """Quality for the untrained rows that differ from a trained one only by exact levers (``EXACT``): that run's,
+    with the test that makes it exact as its source."""
+    lossy = [d for d in DIMS if d not in EXACT]
+    trained = df[df.quality_change.notna()]
+    measured = {tuple(r[d] for d in lossy): r for _, r in trained.iterrows()}
+    for i, r in df[df.quality_change.isna()].iterrows():
+        twin = measured.get(tuple(r[d] for d in lossy))
+        if twin is not None:
+            cols = ["quality_change", "quality_low", "quality_high", "quality_n"]
+            df.loc[i, cols] = [twin[c] for c in cols]
+            df.loc[i, "quality_from"] = f"exact, by test {'; '.join(EXACT.values())}: {twin['name']}'s runs"
 
 
 def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     """The sweep's table with what was trained joined in: ``quality_change`` against the baseline (accuracy points
-    for WRN, BLEU for DynamicConv), its spread over seeds where there are several, the source of the trained
-    numbers, the time ratio, and whether the point is Pareto-optimal in (reduction, quality change)."""
+    for WRN, sacreBLEU for DynamicConv) with its 95% interval (``quality_low``, ``quality_high``: WRN's paired over
+    ``quality_n`` seeds, DynamicConv's paired bootstrap of one seed's test set where it was computed), where the
+    quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, and whether the
+    point is Pareto-optimal in (reduction, quality change)."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
-    selected = json.loads((sweep_dir / f"{task}_selected.json").read_text())
+    selected = _selected(task, sweep_dir)
+    chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
-    runs = [r for r in runs if r["slot"] < len(selected["selected"]) and r["name"] == selected["selected"][r["slot"]]["name"]]
-    role = {c["name"]: c["role"] for c in selected["selected"]}
+    runs = [r for r in runs if r["slot"] < len(chosen) and r["name"] == chosen[r["slot"]]["name"]]
+    role = {c["name"]: c["role"] for c in chosen}
     df["role"] = df.name.map(role).fillna("")
-    df["quality_change"] = float("nan")
-    df["quality_spread"] = float("nan")
-    df["trained_by"] = ""
+    for col in ("quality_change", "quality_low", "quality_high", "quality_n", "predicted_change"):
+        df[col] = float("nan")
+    df["quality_from"] = ""
     profile = {selected["profile"]}
     if task == "wrn":
         by = {r["name"]: r for r in runs}
         if "baseline" not in by:
             raise FileNotFoundError(f"no trained WRN baseline in {metrics_dir / 'combinations'}: run `dvc repro combination_wrn`")
-        base = by["baseline"]["test_acc_mean"]
         for n, r in by.items():
+            c = paired_change(r, by["baseline"])
             i = df.index[df.name == n]
-            df.loc[i, "quality_change"] = 100 * (r["test_acc_mean"] - base)
-            df.loc[i, "quality_spread"] = 100 * r["test_acc_std"]
-            df.loc[i, "trained_by"] = f"stage combination_wrn@{r['slot']}"
+            df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n"]] = [c.mean, c.low, c.high, c.n]
+            df.loc[i, "quality_from"] = f"stage combination_{'search_' if r['role'].startswith('search') else ''}wrn@{r['slot']}"
             profile.add(r["profile"])
+        if "effects" in selected:
+            effects = {(e["lever"], e["setting"]): quality.Paired(e["change"], e["low"], e["high"], e["n"], np.nan)
+                       for e in selected["effects"]}
+            df["predicted_change"] = predict(df, effects)
+        _exact_fill(df)
     else:
         stage08 = json.loads((metrics_dir / "translation_techniques_train.json").read_text())
         profile.add(stage08["profile"])
-        bleu = {r["technique"]: r["bleu_tokenized"] for r in stage08["trained"]}
-        base = bleu["baseline"]
+        base = next(r["sacrebleu"] for r in stage08["trained"] if r["technique"] == "baseline")
         df["time_ratio"] = df.name.map(stage08["time_ratio"])
-        for n, b in bleu.items():
-            df.loc[df.name == n, ["quality_change", "trained_by"]] = [b - base, "stage translation_techniques_train"]
+        for r in stage08["trained"]:
+            i = df.index[df.name == r["technique"]]
+            df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n"]] = [
+                r["sacrebleu"] - base, r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1]
+            df.loc[i, "quality_from"] = "stage translation_techniques_train"
         for r in runs:
             if r["max_update"] != stage08["max_update"]:
                 raise ValueError(f"{r['name']} trained {r['max_update']} updates but stage 08's baseline {stage08['max_update']}: rerun both")
             i = df.index[df.name == r["name"]]
-            df.loc[i, ["quality_change", "time_ratio", "trained_by"]] = [r["bleu_tokenized"] - base, r["time_ratio"],
-                                                                        f"stage combination_dynamicconv@{r['slot']}"]
+            df.loc[i, ["quality_change", "quality_n", "time_ratio", "quality_from"]] = [
+                r["sacrebleu"] - base, 1, r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
@@ -116,30 +159,41 @@ def paper_reference(path: Path = REFERENCE) -> dict[str, Any]:
 
 
 def comparison(best: dict[str, pd.DataFrame], reference: dict[str, Any], label: dict[str, str]) -> pd.DataFrame:
-    """Ours beside the paper's: for each task, our best reduction within the paper's own quality budget (the
-    budget is the paper's loss, read from ``reference``). ``best`` maps a task to a ``best_within`` table that has
-    that budget; ``label`` says what our numbers are (profile, model, data), since they are not the paper's setting."""
+    """Ours beside the paper's: for each task and each rule of ``best``'s tables, our best reduction within the
+    paper's own quality budget (the budget is the paper's loss, read from ``reference``). ``best`` maps a task to a
+    ``best_within`` table that has that budget; ``label`` says what our numbers are (profile, model, data), since
+    they are not the paper's setting."""
     rows = []
     for task, ref in reference["tasks"].items():
         budget = -ref["quality_change"]
         table = best[task]
-        hit = table[(table.budget - budget).abs() < 1e-9]
-        if hit.empty:
-            raise ValueError(f"{task}: no row for the paper's budget {budget} in our budget table; add it to the budgets")
-        ours = hit.iloc[0]
-        found = "config" in ours and isinstance(ours.get("config"), str)
-        rows.append({
-            "task": task,
-            "paper_setting": f"{ref['model']} on {ref['data']}",
-            "budget": f"{budget:g} ({ref['metric']})",
-            "paper_reduction": ref["memory_reduction"],
-            "paper_change": ref["quality_change"],
-            "our_setting": label[task],
-            "our_config": ours["config"] if found else "none within the budget",
-            "our_reduction": ours["reduction"] if found else float("nan"),
-            "our_change": ours["quality_change"] if found else float("nan"),
-            "ours_over_paper": ours["reduction"] / ref["memory_reduction"] if found else float("nan"),
-        })
+        rules = table["rule"].unique() if "rule" in table else ["mean"]
+        for rule in rules:
+            hit = table[((table.budget - budget).abs() < 1e-9) & ((table["rule"] == rule) if "rule" in table else True)]
+            if hit.empty:
+                raise ValueError(f"{task}: no row for the paper's budget {budget} in our budget table; add it to the budgets")
+            ours = hit.iloc[0]
+            found = "config" in ours and isinstance(ours.get("config"), str)
+
+            def get(k: str) -> Any:
+                return ours.get(k, float("nan")) if found else float("nan")
+
+            rows.append({
+                "task": task,
+                "rule": rule,
+                "paper_setting": f"{ref['model']} on {ref['data']}",
+                "budget": f"{budget:g} ({ref['metric']})",
+                "paper_reduction": ref["memory_reduction"],
+                "paper_change": ref["quality_change"],
+                "our_setting": label[task],
+                "our_config": ours["config"] if found else "none within the budget",
+                "our_reduction": get("reduction"),
+                "our_change": get("quality_change"),
+                "our_low": get("quality_low"),
+                "our_high": get("quality_high"),
+                "our_n": get("quality_n"),
+                "ours_over_paper": ours["reduction"] / ref["memory_reduction"] if found else float("nan"),
+            })
     return pd.DataFrame(rows)
 
 
@@ -167,7 +221,8 @@ def readme_block(readme: Path) -> str:
 MEMORY_AT = {"wrn": "WRN-28-2 at batch 128 (full size, accounted)",
              "dynamicconv": "DynamicConv lightconv_iwslt_de_en at 4000 tokens (full size, accounted)"}
 QUALITY = {"wrn": "accuracy change (points)", "dynamicconv": "BLEU change"}
-METRIC_FIELDS = ("config", "reduction", "quality_change", "quality_spread", "time_ratio", "total_mib")
+METRIC_FIELDS = ("config", "reduction", "quality_change", "quality_low", "quality_high", "quality_n", "time_ratio", "total_mib")
+RULES = ("mean", "interval")  # the decision rules of every budget table (quality.RULES)
 
 
 @dataclass
@@ -206,11 +261,12 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     profile = {t: r.profile.iloc[0] for t, r in res.items()}
     trained_on = {
         "wrn": f"profile `{profile['wrn']}`: {wrn_run['model']} on {wrn_run['data']}, {wrn_run['epochs']} epochs at "
-               f"batch {wrn_run['batch_size']}, seeds {wrn_run['seeds']}",
+               f"batch {wrn_run['batch_size']}, seeds {wrn_run['seeds']} (each paired with the baseline's)",
         "dynamicconv": f"profile `{profile['dynamicconv']}`: the profile's DynamicConv on {corpus}, "
-                       f"{dc_run['max_update']} updates, seed {dc_run['seed']}",
+                       f"{dc_run['max_update']} updates, seed {dc_run['seed']} (sacreBLEU; intervals: paired bootstrap of the test set)",
     }
-    best = {task: best_within(r, budgets[task]) for task, r in res.items()}
+    best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
+            for task, r in res.items()}
     return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference())
 
 
@@ -224,54 +280,85 @@ def overview(s: Study) -> str:
 
 FRONTIER_CAPTION = (
     "Memory: accounted peak of one full-size training step (exact; the same in every profile). Quality: runs at "
-    "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: sd over "
-    "seeds. White points: time per step not measured at this profile.")
+    "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: the 95% "
+    "interval of the paired change (WRN: over seeds; DynamicConv: paired bootstrap of one seed's test set, where "
+    "computed). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
+    "so they carry its quality. White points: time per step not measured at this profile.")
 
 
 def figure(s: Study) -> Figure:
-    """Figures/09_frontier.png: per task, memory reduction (log) against quality change (symlog) of every trained
-    combination, coloured by time per step, with the Pareto frontier, the paper's budget and a rug of every accounted
-    reduction."""
+    """Figures/09_frontier.png: per task, memory reduction (log) against quality change (symlog) of every combination
+    with a quality (trained, or exact by test), coloured by time per step, with 95% intervals, the Pareto frontier,
+    the paper's budget and a rug of every accounted reduction. Labels: the trained points on the frontier and the
+    search's picks, staggered so that they do not overlap."""
     sns.set_theme(style="whitegrid")
-    fig, axes = plt.subplots(1, len(s.results), figsize=(15, 5.8), gridspec_kw={"wspace": 0.25})
+    fig, axes = plt.subplots(1, len(s.results), figsize=(16, 6.4), gridspec_kw={"wspace": 0.25})
     norm = plt.Normalize(0.5, 2.5)
     cmap = sns.color_palette("flare", as_cmap=True)
     for ax, (task, r) in zip(axes, s.results.items()):
         t = r[r.quality_change.notna()].sort_values("reduction")
-        timed = t.time_ratio.notna()
-        ax.scatter(t.reduction[timed], t.quality_change[timed], c=t.time_ratio[timed], cmap=cmap, norm=norm, s=70,
-                   edgecolor="black", zorder=3)
-        if (~timed).any():
-            ax.scatter(t.reduction[~timed], t.quality_change[~timed], facecolor="white", edgecolor="black", s=70,
-                       zorder=3, label="time not measured")
-        if t.quality_spread.notna().any():
-            ax.errorbar(t.reduction, t.quality_change, yerr=t.quality_spread, fmt="none", ecolor="grey", lw=0.8,
-                        zorder=2)
+        exact = t.quality_from.str.startswith("exact")
+        for mask, marker, size in ((~exact, "o", 70), (exact, "D", 28)):
+            timed = mask & t.time_ratio.notna()
+            ax.scatter(t.reduction[timed], t.quality_change[timed], c=t.time_ratio[timed], cmap=cmap, norm=norm,
+                       s=size, marker=marker, edgecolor="black", linewidth=0.6, zorder=3)
+            untimed = mask & t.time_ratio.isna()
+            if untimed.any():
+                ax.scatter(t.reduction[untimed], t.quality_change[untimed], facecolor="white", edgecolor="black",
+                           s=size, marker=marker, zorder=3, label="time not measured" if marker == "o" else None)
+        bars = t[~exact & t.quality_low.notna()]
+        if not bars.empty:
+            ax.errorbar(bars.reduction, bars.quality_change, fmt="none", ecolor="grey", lw=0.9, capsize=2, zorder=2,
+                        yerr=[bars.quality_change - bars.quality_low, bars.quality_high - bars.quality_change])
         front = t[t.pareto].sort_values("reduction")
         ax.plot(front.reduction, front.quality_change, color="black", lw=1.2, zorder=1, label="Pareto frontier")
-        for row in t.itertuples():
-            if row.techniques <= 1 or row.pareto:
-                ax.annotate(row.name, (row.reduction, row.quality_change), textcoords="offset points", xytext=(5, 5),
-                            fontsize=7)
+        labelled = t[t.pareto | t.role.str.startswith("search")]
+        for k, row in enumerate(labelled.itertuples()):
+            ax.annotate(row.name.replace("+", "+\n"), (row.reduction, row.quality_change), textcoords="offset points",
+                        xytext=(6, 14 if k % 2 else -22), fontsize=6.5, arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey"})
         # symlog: losses of tenths of a point and a collapsed run of tens of points on one axis
         ax.set_yscale("symlog", linthresh=1)
         lo, hi = ax.get_ylim()
-        ax.set_ylim(lo * 1.8 if lo < -1 else lo - 0.8, hi)
+        ax.set_ylim(lo * 1.8 if lo < -1 else lo - 0.8, hi + 1)
         ax.plot(r.reduction, np.full(len(r), ax.get_ylim()[0]), "|", color="grey", alpha=0.4, ms=8)
         ref = s.reference["tasks"][task]
         ax.axhline(ref["quality_change"], color="tab:blue", ls=":", lw=1)
-        ax.text(1.02, ref["quality_change"], f"paper's budget ({ref['quality_change']:+g})", color="tab:blue",
-                fontsize=7, va="bottom")
         ax.axhline(0, color="black", lw=0.6)
         ax.set_xscale("log")
+        ax.text(ax.get_xlim()[1], ref["quality_change"], f"paper's budget ({ref['quality_change']:+g}) ", color="tab:blue",
+                fontsize=7, va="top", ha="right")
         ax.set(xlabel=f"memory reduction (x, log scale)\n{MEMORY_AT[task]}", ylabel=f"{QUALITY[task]} (symlog)",
                title=f"{task}\n" + textwrap.fill(f"quality: {s.trained_on[task]}", 90))
         ax.title.set_fontsize(8)
-        ax.legend(loc="upper right", fontsize=7)
+        ax.legend(loc="lower left", fontsize=7)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
                  label="time per step / baseline (active profile)", shrink=0.8)
-    fig.text(0.5, -0.02, FRONTIER_CAPTION, ha="center", va="top", wrap=True, fontsize=8)
+    fig.text(0.5, -0.02, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
     return fig
+
+
+def predicted_table(s: Study) -> pd.DataFrame:
+    """WRN's search: every trained combination whose change the singles predict (the sum of its levers' effects),
+    beside its measured paired change and interval, and whether the interval holds the prediction."""
+    r = s.results["wrn"]
+    t = r[r.predicted_change.notna() & r.quality_from.str.startswith("stage") & (r.techniques > 1)]
+    out = t[["name", "role", "reduction", "predicted_change", "quality_change", "quality_low", "quality_high", "quality_n"]].copy()
+    out["measured_minus_predicted"] = out.quality_change - out.predicted_change
+    out["interval_holds_prediction"] = (out.quality_low <= out.predicted_change) & (out.predicted_change <= out.quality_high)
+    return out.sort_values("reduction").reset_index(drop=True)
+
+
+def predicted_caption(s: Study) -> str:
+    return (f"WRN, the quality-aware search: a combination's predicted accuracy change (points) is the sum of its "
+            f"lossy levers' paired changes alone (checkpointing adds zero: exact by test); measured: its own paired "
+            f"change with the {quality.LEVEL:.0%} interval over the seeds. Quality: {s.trained_on['wrn']}.")
+
+
+def effects_table(s: Study) -> pd.DataFrame:
+    """Each lossy lever's effect alone, as the search used it (empty before the search has run)."""
+    r = s.results["wrn"]
+    singles = r[(r.techniques == 1) & r.quality_from.str.startswith("stage")]
+    return singles[["name", "reduction", "quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]].reset_index(drop=True)
 
 
 def budget_table(s: Study, task: str) -> pd.DataFrame:
@@ -279,16 +366,22 @@ def budget_table(s: Study, task: str) -> pd.DataFrame:
     memory by category and in total (the sweep's ``<category>_mib`` columns, in its order), quality change, spread
     over seeds, time ratio and the stage that trained it."""
     memory = [c for c in s.results[task].columns if c.endswith("_mib")]
-    columns = ["budget", "name", "role", *memory, "reduction", "quality_change", "quality_spread", "time_ratio",
-               "trained_by"]
+    columns = ["rule", "budget", "name", "role", *memory, "reduction", "quality_change", "quality_low", "quality_high",
+               "quality_n", "time_ratio", "quality_from"]
     return s.best[task].reindex(columns=columns)
 
 
 def budget_caption(s: Study, task: str) -> str:
     """The caption of ``budget_table``: what memory, quality and time mean for ``task``."""
-    return (f"{task}: best memory reduction within each budget of {QUALITY[task]}. Memory: {MEMORY_AT[task]}, "
-            f"MiB = 2^20 bytes at the step's peak. Quality: {s.trained_on[task]}. Time ratio: per step against the "
-            f"baseline, measured at profile `{s.profile[task]}`.")
+    return (f"{task}: best memory reduction within each budget of {QUALITY[task]}, by each rule. Memory: "
+            f"{MEMORY_AT[task]}, MiB = 2^20 bytes at the step's peak. Quality: {s.trained_on[task]}; low/high: its "
+            f"{quality.LEVEL:.0%} interval. Time ratio: per step against the baseline, measured at profile "
+            f"`{s.profile[task]}`. {rules_text()}")
+
+
+def rules_text() -> str:
+    """The decision rules, as every table and figure that says "within budget" states them."""
+    return "Rules: " + "; ".join(f"**{r}**: {quality.RULES[r]}" for r in RULES) + "."
 
 
 def _best_configs(s: Study) -> dict[str, pd.DataFrame]:
@@ -307,13 +400,16 @@ def paper_comparison(s: Study) -> pd.DataFrame:
 def comparison_caption(s: Study) -> str:
     """The caption of ``paper_comparison``: where the paper's numbers and ours come from."""
     return (f"Paper: {s.reference['citation']}. Ours: memory reduction accounted at full size, quality change from the "
-            "stated profile. At the cpu profile the quality is measured on a smaller model and offline data, not "
-            "CIFAR-10 or IWSLT'14.")
+            "stated profile, with its 95% interval (low, high) over n seeds. At the cpu profile the quality is measured "
+            f"on a smaller model and offline data, not CIFAR-10 or IWSLT'14. {rules_text()}")
 
 
 def tables(s: Study) -> dict[str, tuple[pd.DataFrame, str]]:
     """The tables notebook 09 writes under figures/, by file name (no suffix): (rounded table, caption)."""
     out = {f"09_{task}_budgets": (budget_table(s, task).round(4), budget_caption(s, task)) for task in s.results}
+    out["09_wrn_predicted"] = (predicted_table(s).round(4), predicted_caption(s))
+    out["09_wrn_levers"] = (effects_table(s).round(4), "WRN: each lossy lever alone, its paired accuracy change "
+                            f"(points) and {quality.LEVEL:.0%} interval. Quality: {s.trained_on['wrn']}.")
     out["09_paper_comparison"] = (paper_comparison(s).round(3), comparison_caption(s))
     return out
 
@@ -339,8 +435,11 @@ def metrics(s: Study) -> dict[str, Any]:
     }
     for task, r in s.results.items():
         summary[task] = {
-            "accounted": len(r), "trained": int(r.quality_change.notna().sum()),
+            "accounted": len(r), "with_quality": int(r.quality_change.notna().sum()),
             "max_accounted_reduction": round(float(r.reduction.max()), 2),
-            "best_within": {f"{b:g}": _metric_row(row) for b, (_, row) in zip(s.budgets[task], best[task].iterrows())},
+            "trained_runs": int(r.quality_from.str.startswith("stage").sum()),
+            "exact_by_test": int(r.quality_from.str.startswith("exact").sum()),
+            "best_within": {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
+                            for rule, b in best[task].groupby("rule", sort=False)},
         }
     return summary

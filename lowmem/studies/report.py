@@ -27,10 +27,10 @@ FIGURES: dict[str, list[tuple[str, str | None]]] = {
 }
 ALONE_CAPTION = "Accounted at full size (notebooks 03–06 and 08); each technique against its task's baseline."
 # The headline table: the comparison's columns (figures/09_paper_comparison.csv) under the README's names.
-HEADLINE = {"task": "task", "paper_setting": "paper's setting", "budget": "quality budget",
+HEADLINE = {"task": "task", "rule": "rule", "paper_setting": "paper's setting", "budget": "quality budget",
             "paper_reduction": "paper: memory reduction", "our_reduction": "ours: memory reduction",
-            "our_change": "ours: quality change", "our_config": "our configuration",
-            "our_setting": "our setting (profile, model, data)"}
+            "our_change": "ours: quality change", "our_low": "ours: 95% low", "our_high": "ours: 95% high",
+            "our_n": "ours: seeds", "our_config": "our configuration", "our_setting": "our setting (profile, model, data)"}
 
 
 @dataclass
@@ -132,7 +132,7 @@ def headline_caption(r: Report) -> str:
     """The caption of ``headline``: where the paper's numbers and ours come from."""
     return (f"The paper's numbers: {r.reference['citation']} (lowmem/studies/paper_reference.yaml). Ours: `dvc repro` "
             "at the profile named in each row; memory accounted at the paper's full size, quality measured at that "
-            "profile.")
+            f"profile, with its 95% interval (low, high). {frontier.rules_text()}")
 
 
 def reading(r: Report) -> str:
@@ -140,18 +140,20 @@ def reading(r: Report) -> str:
     lines = []
     for row in comparison(r).itertuples():
         if pd.isna(row.our_reduction):
-            lines.append(f"- **{row.task}**: no trained combination stays within {row.budget}.")
+            lines.append(f"- **{row.task}**, {row.rule} rule: no combination stays within {row.budget}.")
             continue
         side = "beyond" if row.our_reduction > row.paper_reduction else "short of"
-        lines.append(f"- **{row.task}**: within the paper's budget of {row.budget}, the best trained combination is "
-                     f"`{row.our_config}` at {row.our_reduction:.1f}x ({row.our_change:+.2f}), {side} the paper's "
-                     f"{row.paper_reduction:g}x ({row.ours_over_paper:.2f} of it). Its quality comes from "
+        interval = ("no interval" if pd.isna(row.our_low) else f"95% interval {row.our_low:+.2f} to {row.our_high:+.2f}")
+        lines.append(f"- **{row.task}**, {row.rule} rule: within the paper's budget of {row.budget}, the best combination "
+                     f"is `{row.our_config}` at {row.our_reduction:.1f}x ({row.our_change:+.2f}, {interval}), {side} the "
+                     f"paper's {row.paper_reduction:g}x ({row.ours_over_paper:.2f} of it). Its quality comes from "
                      f"{row.our_setting.split(';')[0]}.")
     cb = r.metrics["combinations"]
     for task in cb["profile"]:
         lines.append(f"- {task}: the grid's largest accounted reduction is {cb[task]['max_accounted_reduction']:.1f}x "
-                     f"over {cb[task]['accounted']} combinations; {cb[task]['trained']} were trained at profile "
-                     f"`{cb['profile'][task]}`.")
+                     f"over {cb[task]['accounted']} combinations; {cb[task]['trained_runs']} were trained at profile "
+                     f"`{cb['profile'][task]}`, and {cb[task]['exact_by_test']} more take a trained one's quality "
+                     "because they differ from it only by an exact lever.")
     return ("**Reading.**\n" + "\n".join(lines) + "\n\nMemory ratios are exact for the paper's models and batch; "
             "the quality changes are only as good as the profile's runs: at the cpu profile they are a smaller model "
             "on offline data over a short schedule, so they rank the combinations but do not reproduce the paper's "

@@ -1,0 +1,45 @@
+"""What the quality of a combination of levers is made of, for the search (``lowmem.studies.combinations``) and the
+frontier (``lowmem.studies.frontier``): which levers are exact, a trained combination's paired change against the
+baseline, and the additive prediction of an untrained one's change from its levers' effects alone."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pandas as pd
+
+from lowmem.studies import quality
+
+DIMS = ("sparsity", "precision", "microbatch", "checkpoint")
+# Levers whose step equals the plain step (bitwise), by the named test: their expected quality effect is zero, and a
+# combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
+# a combination is that very run (lowmem.wrn.train.run_techniques).
+EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers"}
+
+
+def paired_change(run: dict[str, Any], baseline: dict[str, Any]) -> quality.Paired:
+    """A trained WRN combination's accuracy change in points against the baseline's runs of the same seeds
+    (``lowmem.studies.quality.paired``)."""
+    def by_seed(r: dict[str, Any]) -> dict[int, float]:
+        return {s: 100 * a for s, a in zip(r["seeds"], r["per_seed_acc"])}
+
+    return quality.paired(quality.seed_pairs(by_seed(run), by_seed(baseline)))
+
+
+def predict(memory: pd.DataFrame, effects: dict[tuple[str, Any], quality.Paired]) -> pd.Series:
+    """Each combination's predicted quality change: the sum of its lossy levers' effects alone (exact levers add
+    zero, by ``EXACT``'s tests). NaN where a lever's effect is unknown (its setting was not trained alone)."""
+    out = []
+    for cfg in memory.config:
+        total = 0.0
+        for dim, value in json.loads(cfg).items():
+            if dim in EXACT:
+                continue
+            if (dim, value) not in effects:
+                total = math.nan
+                break
+            total += effects[(dim, value)].mean
+        out.append(total)
+    return pd.Series(out, index=memory.index, name="predicted_change")
