@@ -338,10 +338,12 @@ def figure(s: Study) -> Figure:
 
 
 def predicted_table(s: Study) -> pd.DataFrame:
-    """WRN's search: every trained combination whose change the singles predict (the sum of its levers' effects),
-    beside its measured paired change and interval, and whether the interval holds the prediction."""
+    """WRN's search: every trained combination of two or more lossy levers whose change the singles predict (the
+    sum of its levers' effects), beside its measured paired change and interval, and whether the interval holds the
+    prediction. (With one lossy lever the prediction is that lever's own measurement.)"""
     r = s.results["wrn"]
-    t = r[r.predicted_change.notna() & r.quality_from.str.startswith("stage") & (r.techniques > 1)]
+    lossy = r.config.map(lambda c: len([d for d in json.loads(c) if d not in EXACT]))
+    t = r[r.predicted_change.notna() & r.quality_from.str.startswith("stage") & (lossy > 1)]
     out = t[["name", "role", "reduction", "predicted_change", "quality_change", "quality_low", "quality_high", "quality_n"]].copy()
     out["measured_minus_predicted"] = out.quality_change - out.predicted_change
     out["interval_holds_prediction"] = (out.quality_low <= out.predicted_change) & (out.predicted_change <= out.quality_high)

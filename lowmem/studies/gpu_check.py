@@ -141,13 +141,17 @@ def combinations(root: Path = ROOT) -> list[tuple[str, dict[str, Any]]]:
     strongest trained level and the grid's largest accounted reduction, from the combination study's files."""
     sweep = {r["name"]: r for r in csv.DictReader((root / "data/combinations/wrn_sweep.csv").open())}
     paper = yaml.safe_load((root / "lowmem/studies/paper_reference.yaml").read_text())["tasks"]["wrn"]
-    best = json.loads((root / "metrics/combinations.json").read_text())["wrn"]["best_within"]
+    best = json.loads((root / "metrics/combinations.json").read_text())["wrn"]["best_within"]["mean"]
     headline = best[f"{-float(paper['quality_change']):g}"]["config"]  # the paper's budget: its accuracy loss
-    levels = [c for c in json.loads((root / "data/combinations/wrn_selected.json").read_text())["selected"]
-              if c["role"].startswith("level")]
+    picks = json.loads((root / "data/combinations/wrn_selected.json").read_text())["selected"]
+    search = root / "data/combinations/wrn_search.json"
+    if search.exists():
+        picks += json.loads(search.read_text())["selected"]
+    levels = [c for c in picks if c["role"].startswith(("level", "search"))] or picks  # the search's picks, once it has run
+    strongest = max(levels, key=lambda c: float(sweep[c["name"]]["reduction"]))
     largest = max(sweep.values(), key=lambda r: float(r["reduction"]))
-    chosen = [("headline (best within the paper's budget)", headline), (f"strongest trained {levels[-1]['role']}", levels[-1]["name"]),
-              ("largest accounted reduction", largest["name"])]
+    chosen = [("headline (best within the paper's budget, mean rule)", headline),
+              (f"strongest trained ({strongest['role']})", strongest["name"]), ("largest accounted reduction", largest["name"])]
     return [(role, json.loads(sweep[name]["config"])) for role, name in chosen]
 
 
