@@ -56,7 +56,7 @@ def test_docstrings_comments_and_formatting_do_not_change_a_digest_but_code_does
     _edit(package / "techniques" / "sparse_linear.py", "    def forward(self, x", "    # a comment in the plugin's path\n    def forward(self, x")
     assert runs.code_digest(TRAIN_CODE) == wrn
     assert (_plugin_key(tmp_path, plugin), _plugin_key(tmp_path, [])) == fairseq
-    _edit(package / "wrn" / "train.py", "return correct / n, loss_sum / n", "return correct / max(n, 1), loss_sum / n")
+    _edit(package / "wrn" / "train.py", "loss_sum / len(hits), hits", "loss_sum / max(len(hits), 1), hits")
     assert runs.code_digest(TRAIN_CODE) != wrn
 
 

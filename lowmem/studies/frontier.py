@@ -312,10 +312,14 @@ def figure(s: Study) -> Figure:
                         yerr=[bars.quality_change - bars.quality_low, bars.quality_high - bars.quality_change])
         front = t[t.pareto].sort_values("reduction")
         ax.plot(front.reduction, front.quality_change, color="black", lw=1.2, zorder=1, label="Pareto frontier")
+        # Numbers at the points and the names in a key under the axes: long names at crowded points overlap.
         labelled = t[t.pareto | t.role.str.startswith("search")]
-        for k, row in enumerate(labelled.itertuples()):
-            ax.annotate(row.name.replace("+", "+\n"), (row.reduction, row.quality_change), textcoords="offset points",
-                        xytext=(6, 14 if k % 2 else -22), fontsize=6.5, arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "grey"})
+        key = []
+        for k, row in enumerate(labelled.itertuples(), start=1):
+            ax.annotate(str(k), (row.reduction, row.quality_change), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7, fontweight="bold")
+            key.append(f"{k}: {row.name} ({row.reduction:.1f}x, {row.quality_change:+.2f})")
+        ax.text(0.0, -0.2, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=7)
         # symlog: losses of tenths of a point and a collapsed run of tens of points on one axis
         ax.set_yscale("symlog", linthresh=1)
         lo, hi = ax.get_ylim()
@@ -333,7 +337,7 @@ def figure(s: Study) -> Figure:
         ax.legend(loc="lower left", fontsize=7)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
                  label="time per step / baseline (active profile)", shrink=0.8)
-    fig.text(0.5, -0.02, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
+    fig.text(0.5, -0.19, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
     return fig
 
 
