@@ -46,17 +46,21 @@ def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None
     assert results(a) != results(c)
 
 
-def test_an_interrupted_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
-    p = tiny(tmp_path, epochs=3)
-    whole = train(p, 0, progress=False, root=tmp_path / "whole")
-
-    def interrupt(epoch: int, _: dict) -> None:
-        if epoch == 2:
+def killed_after_epoch_then_resumed(p: BaselineParams, epoch: int, root: Path) -> list[dict]:
+    """Seed 0 of ``p`` killed just after ``epoch``'s checkpoint, then run again: the resumed run's history."""
+    def interrupt(done: int, _: dict) -> None:
+        if done == epoch:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(p, 0, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
-    resumed = train(p, 0, progress=False, root=tmp_path / "cut")
+        train(p, 0, progress=False, on_epoch_end=interrupt, root=root)
+    return train(p, 0, progress=False, root=root)
+
+
+def test_an_interrupted_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
+    p = tiny(tmp_path, epochs=3)
+    whole = train(p, 0, progress=False, root=tmp_path / "whole")
+    resumed = killed_after_epoch_then_resumed(p, 2, tmp_path / "cut")
     assert len(resumed) == 3
     assert [e["event"] for e in runs.ledger(tmp_path / "cut")] == ["resumed at epoch 2", "trained"]
     assert results(resumed) == results(whole)
@@ -101,12 +105,6 @@ def test_a_run_keeps_its_per_example_correctness_even_when_resumed_after_its_las
     assert bits is not None and bits.dtype == bool and len(bits) == whole[-1]["test_examples"]
     assert bits.sum() / len(bits) == whole[-1]["test_acc"]
 
-    def interrupt(epoch: int, _: dict) -> None:
-        if epoch == 2:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(p, 0, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
-    resumed = train(p, 0, progress=False, root=tmp_path / "cut")
+    resumed = killed_after_epoch_then_resumed(p, 2, tmp_path / "cut")
     assert results(resumed) == results(whole)
     assert (correct_per_example(store_run(p, 0, root=tmp_path / "cut"), len(bits)) == bits).all()
