@@ -86,10 +86,23 @@ def test_the_summary_spread_is_the_sample_sd_of_the_seeds_accuracies_in_points()
 
 def test_frozen_results_refuse_a_file_of_other_runs_and_say_how_to_rerun(tmp_path) -> None:
     p = config.load("proxy_noise", None)
+    p.profile = "cpu"  # only smoke runs are made on the spot
     path = tmp_path / "r.json"
     runs.write_json(path, _result({("elsewhere", 0): np.ones(4, dtype=bool)}))
     with pytest.raises(ParamError, match="rerun them: python -m"):
         train_stage.frozen_results("proxy_noise", p, path, proxy_noise.COMMAND)
+
+
+def test_a_smoke_run_beside_another_profiles_committed_file_leaves_that_file_alone(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LOWMEM_RUNS", str(tmp_path / "store"))
+    p = config.load("proxy_noise", None, proxies=[{"name": "1 epoch"}], seeds=[0, 1, 2])
+    p.train["data_root"] = str(tmp_path / "raw")
+    committed = {**_result({("3 epochs", 0): np.ones(4, dtype=bool)}), "profile": "cpu"}
+    path = tmp_path / "proxy_noise_train.json"
+    runs.write_json(path, committed)
+    res = train_stage.frozen_results("proxy_noise", p, path, proxy_noise.COMMAND, progress=False)
+    assert res["profile"] == "smoke" and [r["seed"] for r in res["runs"]] == [0, 1, 2]
+    assert runs.read_json(path) == committed and (tmp_path / "proxy_noise_train-smoke.json").exists()
 
 
 @pytest.mark.parametrize("kw,name", [({"seeds": [0, 1]}, "seeds"), ({"proxies": [{"name": "a", "lr": 1}]}, "proxies"),

@@ -94,15 +94,28 @@ def frozen_results(stage: str, p: Any, path: str | Path, command: str, progress:
     """The results of a stage left out of ``make repro`` (frozen in dvc.yaml, its output committed): read from
     ``path`` as they are, even where the training code has changed since (a frozen result is not retrained by the
     default pipeline; ``current_keys`` says how many runs today's code would key alike). They must hold the runs
-    ``p`` plans, by labels and seed; a missing file (a smoke run, a notebook opened alone) is collected here."""
+    ``p`` plans, by labels and seed; a missing file (a notebook opened alone) is collected here, and so are smoke
+    runs where ``path`` holds another profile's, into a file beside it."""
     path = Path(path)
+    planned = [(labels, seed) for labels, _, seed, _ in plan(stage, p)]
+
+    def holds_the_plan(f: Path) -> bool:
+        res = runs.read_json(f)
+        return res["profile"] == p.profile and [(r["labels"], r["seed"]) for r in res["runs"]] == planned
+
+    if path.exists() and not holds_the_plan(path):
+        # The committed file is another profile's (a smoke `dvc exp run`, say): the smoke runs take seconds and go
+        # beside it, never over it; at any other profile the stage must be rerun on purpose.
+        beside = path.with_name(f"{path.stem}-{p.profile}{path.suffix}")
+        if p.profile != "smoke" and not (beside.exists() and holds_the_plan(beside)):
+            raise ParamError(f"{path} holds other runs than stage {stage} plans at profile {p.profile} (params.yaml "
+                             f"changed since it was made); rerun them: {command}")
+        path = beside
     if not path.exists():
         runs.write_json(path, collect(stage, p, progress))
     res = runs.read_json(path)
-    planned = [(labels, seed) for labels, _, seed, _ in plan(stage, p)]
-    if [(r["labels"], r["seed"]) for r in res["runs"]] != planned or res["profile"] != p.profile:
-        raise ParamError(f"{path} holds other runs than stage {stage} plans at profile {p.profile} (params.yaml "
-                         f"changed since it was made); rerun them: {command}")
+    if not holds_the_plan(path):
+        raise ParamError(f"{path} holds other runs than stage {stage} plans at profile {p.profile}; rerun them: {command}")
     res["current_keys"] = sum(r["key"] == k for r, k in zip(res["runs"], keys(stage, p)))
     return res
 
