@@ -1,6 +1,7 @@
 """The combination study: Pareto extraction, budget tables, the comparison with the paper, the grid and the chosen
 subset, the accountant's shortcut for microbatches, and the DVC matrix stages."""
 
+import io
 import json
 import os
 import subprocess
@@ -236,3 +237,16 @@ def test_each_exact_lever_names_a_test_that_exists() -> None:
     for lever, ref in combinations.EXACT.items():
         path, test = ref.split("::")
         assert f"def {test}(" in (ROOT / path).read_text(), lever
+
+
+def test_the_report_shows_a_wide_figure_scaled_to_its_width_with_the_aspect_kept(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from lowmem.studies import report
+
+    Image.new("RGB", (2800, 700), "white").save(tmp_path / "wide.png")
+    Image.new("RGB", (700, 500), "white").save(tmp_path / "narrow.png")
+    with Image.open(io.BytesIO(report.shown_png(tmp_path / "wide.png"))) as im:
+        assert im.size == (report.REPORT_WIDTH_PX, report.REPORT_WIDTH_PX // 4)
+    with Image.open(io.BytesIO(report.shown_png(tmp_path / "narrow.png"))) as im:
+        assert im.size == (700, 500)

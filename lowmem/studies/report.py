@@ -6,12 +6,14 @@ makes the README's headline table (figures/00_headline.md, between the README's 
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from PIL import Image as PILImage  # Pillow: matplotlib's own dependency
 
 from lowmem.studies import frontier
 
@@ -58,15 +60,31 @@ def profiles(r: Report) -> str:
             "size in every profile; accuracy and BLEU come from the profile's model and data (see each caption).")
 
 
-def figures(r: Report, section: str) -> list[tuple[str, str]]:
-    """The stage figures of ``section`` (a key of FIGURES): (image file, its caption in italics, or "" where the
-    figure has no table)."""
+# The report shows each stage's figure at this width at most: it embeds every figure, and the stages' PNGs (up to
+# 2,658 px wide) would make its committed reader's copy over 2 MB, for images a reader sees at about 900 px.
+REPORT_WIDTH_PX = 1400
+
+
+def shown_png(path: Path, max_width: int = REPORT_WIDTH_PX) -> bytes:
+    """The PNG at ``path``, scaled down (Lanczos, aspect kept) to at most ``max_width`` pixels wide, in a 256-colour
+    palette: a chart has few colours, and the smoothed edges of a resize made an RGBA PNG larger than the original."""
+    with PILImage.open(path) as im:
+        if im.width > max_width:
+            im = im.resize((max_width, round(im.height * max_width / im.width)), PILImage.LANCZOS)
+        buf = io.BytesIO()
+        im.convert("RGB").quantize(256).save(buf, format="PNG", optimize=True)
+    return buf.getvalue()
+
+
+def figures(r: Report, section: str) -> list[tuple[bytes, str]]:
+    """The stage figures of ``section`` (a key of FIGURES): (the image as shown, ``shown_png``; its caption in
+    italics, or "" where the figure has no table)."""
     if section not in FIGURES:
         raise ValueError(f"section={section!r} is not one of {', '.join(FIGURES)}")
     out = []
     for image, table in FIGURES[section]:
         caption = "*" + (r.root / "figures" / table).read_text().split("\n\n")[0] + "*" if table else ""
-        out.append((str(r.root / "figures" / image), caption))
+        out.append((shown_png(r.root / "figures" / image), caption))
     return out
 
 
