@@ -46,7 +46,7 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict
+from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict, selection
 from lowmem.techniques import precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
@@ -424,15 +424,9 @@ def search_step(p: CombinationsParams, sweep_dir: Path, metrics_dir: Path) -> di
 
 
 def chosen_slots(p: CombinationsParams, sweep_dir: Path) -> list[dict[str, Any]]:
-    """Every slot to train: the sweep's selection, then the search's picks where the search has run."""
-    sel_file = sweep_dir / f"{p.task}_selected.json"
-    if not sel_file.exists():
-        raise FileNotFoundError(f"{sel_file} is missing: run the sweep first (dvc repro combinations_sweep_{p.task})")
-    out = json.loads(sel_file.read_text())["selected"]
-    search_file = sweep_dir / f"{p.task}_search.json"
-    if p.search and search_file.exists():
-        out += json.loads(search_file.read_text())["selected"]
-    return out
+    """Every slot to train: the sweep's selection, then the search's picks where the search is on and has run."""
+    chosen = selection(p.task, sweep_dir)["selected"]
+    return chosen if p.search else [c for c in chosen if not c["role"].startswith("search")]
 
 
 def main(argv: list[str] | None = None) -> int:

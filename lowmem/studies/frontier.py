@@ -27,7 +27,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict
+from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict, selection
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -73,16 +73,6 @@ def best_within(
     return pd.DataFrame(rows).reindex(columns=columns).reset_index(drop=True)
 
 
-def _selected(task: str, sweep_dir: Path) -> dict[str, Any]:
-    """The sweep's selection with the search's picks (WRN, where it has run) appended."""
-    selected = json.loads((sweep_dir / f"{task}_selected.json").read_text())
-    search_file = sweep_dir / f"{task}_search.json"
-    if search_file.exists():
-        search = json.loads(search_file.read_text())
-        selected = {**selected, "selected": selected["selected"] + search["selected"], "effects": search["effects"]}
-    return selected
-
-
 def _exact_fill(df: pd.DataFrame) -> None:
     """Quality for the untrained rows that differ from a trained one only by exact levers (``EXACT``): that run's,
     with the test that makes it exact as its source."""
@@ -104,7 +94,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, and whether the
     point is Pareto-optimal in (reduction, quality change)."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
-    selected = _selected(task, sweep_dir)
+    selected = selection(task, sweep_dir)
     chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
     runs = [r for r in runs if r["slot"] < len(chosen) and r["name"] == chosen[r["slot"]]["name"]]

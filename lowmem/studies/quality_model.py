@@ -1,11 +1,13 @@
 """What the quality of a combination of levers is made of, for the search (``lowmem.studies.combinations``) and the
 frontier (``lowmem.studies.frontier``): which levers are exact, a trained combination's paired change against the
-baseline, and the additive prediction of an untrained one's change from its levers' effects alone."""
+baseline, the additive prediction of an untrained one's change from its levers' effects alone, and which
+combinations were chosen to train (``selection``)."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -43,3 +45,17 @@ def predict(memory: pd.DataFrame, effects: dict[tuple[str, Any], quality.Paired]
             total += effects[(dim, value)].mean
         out.append(total)
     return pd.Series(out, index=memory.index, name="predicted_change")
+
+
+def selection(task: str, sweep_dir: Path) -> dict[str, Any]:
+    """The combinations chosen to train, one per slot: the sweep's selection (``<task>_selected.json``), then the
+    search's picks and the lever effects they were predicted from (``<task>_search.json``, WRN) where it has run."""
+    sel_file = Path(sweep_dir) / f"{task}_selected.json"
+    if not sel_file.exists():
+        raise FileNotFoundError(f"{sel_file} is missing: run the sweep first (dvc repro combinations_sweep_{task})")
+    selected = json.loads(sel_file.read_text())
+    search_file = Path(sweep_dir) / f"{task}_search.json"
+    if search_file.exists():
+        search = json.loads(search_file.read_text())
+        selected = {**selected, "selected": selected["selected"] + search["selected"], "effects": search["effects"]}
+    return selected
