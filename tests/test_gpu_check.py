@@ -1,5 +1,6 @@
 """lowmem.studies.gpu_check: its dry mode here (the same code paths, tiny, on the CPU); the CUDA assertions where a GPU is."""
 
+import csv
 import json
 from pathlib import Path
 
@@ -64,7 +65,31 @@ def test_idx_files_read_as_numpy_match_their_header(tmp_path: Path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_accountant_with_the_workspace_model_is_within_two_percent() -> None:
+def test_on_cuda_the_accountant_with_workspace_and_library_memory_is_within_two_percent() -> None:
     c = gpu_check.load_check(dry=False)
     row = gpu_check.memory_row(c, "baseline", "baseline", gpu_check.Techniques(), gpu_check._Real(gpu_check.CUDAWorkspace()))
-    assert abs(row["gap_with_workspace_pct"]) < 2.0, row
+    assert abs(row["gap_full_pct"]) < 2.0, row
+
+
+def test_redraw_remakes_the_same_tables_from_the_json_and_reductions_divide_the_baseline(dry: tuple[Path, dict], tmp_path: Path) -> None:
+    out, result = dry
+    assert gpu_check.main(["--out", str(tmp_path), "--redraw", str(out / "gpu_check.json")]) == 0
+    for name in ("gpu_check_memory.md", "gpu_check_memory.csv", "gpu_check_training.md", "gpu_check_training.csv"):
+        assert (tmp_path / name).read_text() == (out / name).read_text(), name
+    rows = {r["configuration"]: r for r in gpu_check.reductions(result["memory"])}
+    base = next(r for r in result["memory"] if r["role"] == "baseline")
+    for r in result["memory"]:
+        assert rows[r["configuration"]]["reduction_measured"] == base["measured_mib"] / r["measured_mib"]
+        assert rows[r["configuration"]]["reduction_accounted"] == base["accounted_mib"] / r["accounted_mib"]
+    assert rows["baseline"]["reduction_full_model"] == 1.0
+
+
+def test_a_failed_configuration_keeps_its_error_in_the_tables_beside_the_others(dry: tuple[Path, dict], tmp_path: Path) -> None:
+    _, result = dry
+    failed = {"configuration": "broken", "role": "checkpointing", "error": "TypeError: boom"}
+    gpu_check.write_files({**result, "memory": [*result["memory"], failed]}, tmp_path)
+    with (tmp_path / "gpu_check_memory.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows[-1]["error"] == "TypeError: boom" and rows[-1]["measured_mib"] == "" and rows[0]["error"] == ""
+    assert "| broken | checkpointing |" in (tmp_path / "gpu_check_memory.md").read_text()
+    assert "broken" not in {r["configuration"] for r in gpu_check.reductions([*result["memory"], failed])}

@@ -158,3 +158,25 @@ def test_a_16bit_step_without_its_scaler_is_refused() -> None:
 def test_unknown_mode_names_the_choices() -> None:
     with pytest.raises(ValueError, match="mixed-bf16"):
         Techniques(precision="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("bad", [False, True])
+def test_on_cuda_bf16_gradients_are_checked_and_unscaled_as_the_cpu_kernel_does(bad: bool) -> None:
+    # PyTorch's CUDA check-and-unscale kernel has no bf16: the scaler's own path must agree with the CPU kernel.
+    grads = [torch.randn(n, dtype=torch.bfloat16) for n in (7, 300)]
+    if bad:
+        grads[1][5] = float("nan")
+    results = []
+    for device in ("cpu", "cuda"):
+        ps = [torch.zeros_like(g, device=device, requires_grad=True) for g in grads]
+        for p, g in zip(ps, grads):
+            p.grad = g.to(device) * 4
+        scaler = precision.LossScaler(init_scale=4.0)
+        stepped = scaler.step(torch.optim.SGD(ps, lr=1.0))
+        results.append((stepped, scaler.skipped, [p.grad.cpu() for p in ps]))
+    (cpu_stepped, cpu_skipped, cpu_grads), (gpu_stepped, gpu_skipped, gpu_grads) = results
+    assert (cpu_stepped, cpu_skipped) == (gpu_stepped, gpu_skipped) == (not bad, int(bad))
+    for a, b in zip(cpu_grads, gpu_grads):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -203,11 +203,15 @@ def memory_row(c: Check, name: str, role: str, tech: Techniques, workspace: Work
     del model, opt, x, y
     accounted = wrn_memory.account(tech, s, as_stored=True).peak
     with_ws = wrn_memory.account(tech, s, as_stored=True, workspace=workspace).peak
+    # cuBLAS keeps its workspace allocated from its first call on, so it is in every step's peak but in no op's own
+    # scratch: the full model adds it as measured here, once the step has run.
+    full = with_ws + (held or 0)
     return {"configuration": name, "role": role, "precision": tech.precision, "microbatch": tech.microbatch,
             "checkpoint": tech.checkpoint, "sparsity": tech.sparsity, "measured_mib": measured / MIB,
             "accounted_mib": accounted / MIB, "gap_pct": 100 * (accounted - measured) / measured,
             "accounted_with_workspace_mib": with_ws / MIB, "gap_with_workspace_pct": 100 * (with_ws - measured) / measured,
-            "persistent_library_mib": None if held is None else held / MIB, "method": how,
+            "persistent_library_mib": None if held is None else held / MIB,
+            "accounted_full_mib": full / MIB, "gap_full_pct": 100 * (full - measured) / measured, "method": how,
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -306,20 +310,21 @@ def _markdown(rows: list[dict[str, Any]], caption: str) -> str:
     """A Markdown table; written by hand because pandas needs tabulate for it, which the GPU machine lacks."""
     if not rows:
         return f"{caption}\n\n(no rows)\n"
-    cols = list(rows[0])
+    cols = list(dict.fromkeys(k for r in rows for k in r))
 
     def cell(v: Any) -> str:
         return f"{v:.4g}" if isinstance(v, float) else ("" if v is None else str(v))
 
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(cell(r[k]) for k in cols) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k in cols) + " |" for r in rows]
     return f"{caption}\n\n" + "\n".join(lines) + "\n"
 
 
 def _csv(rows: list[dict[str, Any]], path: Path) -> None:
     with path.open("w", newline="") as f:
         if rows:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            # A failed configuration's row has only its name and error: the header is every row's keys, in order.
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
 
@@ -336,16 +341,52 @@ def figure(rows: list[dict[str, Any]], path: Path, title: str) -> None:
     h = 0.27
     ax.barh(ys - h, [r["measured_mib"] for r in rows], h, label=f"measured: {rows[0]['method']}")
     ax.barh(ys, [r["accounted_mib"] for r in rows], h, label="accounted (meta device)")
-    ax.barh(ys + h, [r["accounted_with_workspace_mib"] for r in rows], h, label="accounted + workspace model")
-    top = max(max(r["measured_mib"], r["accounted_with_workspace_mib"], r["accounted_mib"]) for r in rows)
+    ax.barh(ys + h, [r["accounted_full_mib"] for r in rows], h, label="accounted + workspace model + library-held memory")
+    top = max(max(r["measured_mib"], r["accounted_full_mib"], r["accounted_mib"]) for r in rows)
     for y, r in zip(ys, rows):
-        ax.text(top * 1.02, y, f"{r['gap_pct']:+.1f}% / {r['gap_with_workspace_pct']:+.1f}%", va="center", fontsize=8)
+        ax.text(top * 1.02, y, f"{r['gap_pct']:+.1f}% / {r['gap_full_pct']:+.1f}%", va="center", fontsize=8)
     ax.set(yticks=ys, yticklabels=names, xlim=(0, top * 1.3), title=title,
-           xlabel="MiB at the step's peak. Right of the bars: the accountant's gap to the measured peak, without / with the workspace model")
+           xlabel="MiB at the step's peak. Right of the bars: the accountant's gap to the measured peak, alone / full model")
     ax.invert_yaxis()
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.6 / (0.42 * len(rows) + 1.6)), fontsize=8, ncol=3, frameon=False)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def reductions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each configuration's reduction of the baseline's peak: as measured, as the accountant alone has it, and as the
+    full model has it (a configuration that failed has none)."""
+    ok = [r for r in rows if "error" not in r]
+    base = next((r for r in ok if r["role"] == "baseline"), None)
+    if base is None:
+        return []
+    return [{"configuration": r["configuration"], "measured_mib": r["measured_mib"],
+             "reduction_measured": base["measured_mib"] / r["measured_mib"],
+             "reduction_accounted": base["accounted_mib"] / r["accounted_mib"],
+             "reduction_full_model": base["accounted_full_mib"] / r["accounted_full_mib"],
+             "library_share_of_measured_pct": 100 * (r["persistent_library_mib"] or 0.0) / r["measured_mib"]} for r in ok]
+
+
+def write_files(result: dict[str, Any], out: Path) -> None:
+    """Every file of the check from its result alone, so that ``--redraw`` can remake them from a committed JSON."""
+    where, dry = result["device"], result["dry"]
+    caption = (f"{result['model']} at batch {result['batch_size']}, one SGD step of the recipe per configuration, on {where} "
+               f"(torch {result['torch']}), {result['when']}{'; DRY RUN (tiny model on the CPU, fp16 as bf16): not a GPU result' if dry else ''}. "
+               f"Accounted: lowmem's accountant on the meta device, tensors as PyTorch stores them; + workspace: each op's "
+               f"scratch memory measured once per call signature; full: + workspace + the memory the libraries hold between steps "
+               f"(persistent_library: allocated after the step beyond its parameters, gradients, buffers, optimizer state and batch; "
+               f"cuBLAS's workspace). Gap = (accounted - measured) / measured. MiB = 2^20 bytes." + (f" {result['runs']}" if "runs" in result else ""))
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
+    _csv(result["memory"], out / "gpu_check_memory.csv")
+    # The reductions go into the same file: the device tool brings back at most 8.
+    reduction_caption = ("Reductions of the baseline's peak, each as baseline / configuration: measured, by the accountant "
+                         "alone, and by the full model; and the share of the measured peak that the libraries hold between steps.")
+    (out / "gpu_check_memory.md").write_text(_markdown(result["memory"], caption) + "\n" + _markdown(reductions(result["memory"]), reduction_caption))
+    _csv(result["training"], out / "gpu_check_training.csv")
+    (out / "gpu_check_training.md").write_text(_markdown(result["training"], f"WRN training on Fashion-MNIST, {where}. {result['training_note']}"))
+    rows = [r for r in result["memory"] if "error" not in r]
+    if rows:
+        figure(rows, out / "gpu_check_memory.png", f"Accounted against measured: {result['model']}, batch {result['batch_size']}, {where}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +395,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data", type=Path, default=ROOT / "data/raw/fashion-mnist-idx", help="Fashion-MNIST's four idx files (.gz or not)")
     ap.add_argument("--budget-s", type=float, default=270.0, help="wall time for all three parts; training takes what memory leaves")
     ap.add_argument("--dry", action="store_true", help="tiny, on the CPU: the same code paths in seconds (the test suite runs this)")
+    ap.add_argument("--redraw", type=Path, metavar="JSON", help="remake the tables and the figure from a check's gpu_check.json into --out (no GPU)")
     args = ap.parse_args(argv)
+    if args.redraw:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_files(json.loads(args.redraw.read_text()), args.out)
+        return 0
     start = time.monotonic()
     c = load_check(args.dry)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -374,18 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         "(lowmem/dynamicconv/plugin.py), and this machine has no fairseq; a look-alike stack would not be the study's model",
         "training": [], "training_note": "", "budget_s": args.budget_s,
     }
-    caption = (f"{c.shape.model} at batch {c.shape.batch_size}, one SGD step of the recipe per configuration, on {where} "
-               f"(torch {torch.__version__}), {result['when']}{'; DRY RUN (tiny model on the CPU, fp16 as bf16): not a GPU result' if c.dry else ''}. "
-               f"Accounted: lowmem's accountant on the meta device, tensors as PyTorch stores them; + workspace: each op's "
-               f"scratch memory measured once per call signature. Gap = (accounted - measured) / measured. MiB = 2^20 bytes.")
-
     def write() -> None:
         result["elapsed_s"] = round(time.monotonic() - start, 1)
-        (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-        _csv(result["memory"], args.out / "gpu_check_memory.csv")
-        (args.out / "gpu_check_memory.md").write_text(_markdown(result["memory"], caption))
-        _csv(result["training"], args.out / "gpu_check_training.csv")
-        (args.out / "gpu_check_training.md").write_text(_markdown(result["training"], f"WRN training on Fashion-MNIST, {where}. {result['training_note']}"))
+        write_files(result, args.out)
 
     log(f"GPU check on {where}, torch {torch.__version__}, budget {args.budget_s:.0f} s{' (dry)' if c.dry else ''}")
     workspace = _Real(CUDAWorkspace() if c.device.type == "cuda" else CPUWorkspace())
@@ -399,11 +436,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         result["memory"].append(row)
         log(f"memory {name}: measured {row['measured_mib']:.1f} MiB, accounted {row['accounted_mib']:.1f} ({row['gap_pct']:+.2f}%), "
-            f"with workspace {row['accounted_with_workspace_mib']:.1f} ({row['gap_with_workspace_pct']:+.2f}%)")
-        write()
-        # Redrawn after every configuration, like the tables, so that a timeout still leaves the figure.
-        figure([r for r in result["memory"] if "error" not in r], args.out / "gpu_check_memory.png",
-               f"Accounted against measured: {c.shape.model}, batch {c.shape.batch_size}, {where}")
+            f"with workspace {row['accounted_with_workspace_mib']:.1f} ({row['gap_with_workspace_pct']:+.2f}%), "
+            f"full {row['accounted_full_mib']:.1f} ({row['gap_full_pct']:+.2f}%)")
+        write()  # the figure too, after every configuration, so that a timeout still leaves it
         if c.device.type == "cuda":
             torch.cuda.empty_cache()
     log(result["dynamicconv"])

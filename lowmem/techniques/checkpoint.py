@@ -18,6 +18,7 @@ the RNG state, ``preserve_rng_state=True``).
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -180,6 +181,11 @@ def _keep_batchnorm_stats(modules: list[nn.Module]) -> Iterator[None]:
                     buf.copy_(old)
 
 
+# Tensors the selective policy saves then pass through outer saved-tensor hooks, as the accountant's, like any other
+# saved tensor. Older PyTorch (2.11, on the GPU check's machine) lacks the argument and would hand it to the function.
+_HOOKS = {"respect_saved_tensors_hooks": True} if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters else {}
+
+
 class CheckpointedChain(nn.Sequential):
     """The blocks of an ``nn.Sequential`` (same children, same state_dict keys) run segment by segment."""
 
@@ -201,12 +207,7 @@ class CheckpointedChain(nn.Sequential):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for s, e, ckpt in self.segments:
             if ckpt and torch.is_grad_enabled():
-                x = checkpoint(
-                    self._run, x, s, e, use_reentrant=False, context_fn=partial(self._contexts, s, e),
-                    # Tensors the selective policy saves then pass through outer saved-tensor hooks, as the
-                    # accountant's, like any other saved tensor.
-                    respect_saved_tensors_hooks=True,
-                )
+                x = checkpoint(self._run, x, s, e, use_reentrant=False, context_fn=partial(self._contexts, s, e), **_HOOKS)
             else:
                 x = self._run(x, s, e)
         return x

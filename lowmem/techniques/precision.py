@@ -122,7 +122,14 @@ class LossScaler:
         found_inf = torch.zeros((), device=grads[0].device)
         inv_scale = torch.full((), 1.0 / self.scale_value, device=grads[0].device)
         # GradScaler's own kernel: one pass over the grads, unscaling them and setting found_inf if any is not finite.
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        # Its CUDA build has no bf16 (PyTorch 2.11), so half-bf16 on a GPU checks and unscales those grads itself.
+        kernel = [g for g in grads if g.device.type != "cuda" or g.dtype != torch.bfloat16]
+        if kernel:
+            torch._amp_foreach_non_finite_check_and_unscale_(kernel, found_inf, inv_scale)
+        for g in grads:
+            if g.device.type == "cuda" and g.dtype == torch.bfloat16:
+                found_inf += torch.isfinite(g).logical_not().any()
+                g.mul_(inv_scale)
         if self.sync and found_inf.item():
             self._skip()
             return False
