@@ -80,9 +80,9 @@ def test_readme_shows_the_headline_table_the_report_wrote() -> None:
     assert frontier.readme_block(ROOT / "README.md") == (ROOT / "figures/00_headline.md").read_text().strip()
 
 
-def small(task: str = "wrn", **kw: object) -> combinations.CombinationsParams:
+def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combinations.CombinationsParams:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["base"]["profile"] = "smoke"
+    params["base"]["profile"] = profile
     p = combinations.resolve_task(task, params)
     for k, v in kw.items():
         setattr(p, k, v)
@@ -100,6 +100,23 @@ def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
     assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
         "--sparsity", "0.9", "--sparse-method", "static", "--fp16", "--update-freq", "4",
         "--max-tokens", str(d.translation["max_tokens"] // 4), "--checkpoint-activations"]
+
+
+def test_dynamicconv_bf16_settings_take_stage_08s_options_and_mixed_bf16_with_sparsity_is_left_out() -> None:
+    d = small("dynamicconv", "cpu", sparsity=[0, 0.9], precision=["fp32", "mixed-bf16", "all-bf16", "fp16"], microbatch=[1, 4],
+              checkpoint=["none", "layers"])
+    techniques = d.translation["techniques"]
+    assert combinations.translation_options(d, {"precision": "mixed-bf16", "microbatch": 4}) == [
+        *techniques["mixed-bf16"], "--update-freq", "4", "--max-tokens", str(d.translation["max_tokens"] // 4)]
+    assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "all-bf16"}) == ["--sparsity", "0.9", *techniques["all-bf16"]]
+    g = combinations.grid(d)
+    # 2 x 4 x 2 x 2 settings, less the 4 that pair mixed-bf16 with sparsity (the accountant refuses them)
+    assert len(g) == 32 - 4 and not [c for c in g if c.get("precision") == "mixed-bf16" and "sparsity" in c]
+    assert {"precision": "mixed-bf16", "microbatch": 4, "checkpoint": "layers"} in g
+    d.translation = {**d.translation, "device": "cpu"}
+    assert [m for m in d.precision if combinations.trainable(d, m)] == ["fp32", "mixed-bf16", "all-bf16"]
+    with pytest.raises(ParamError, match="half-fp32"):
+        combinations.translation_options(d, {"precision": "half-fp32"})
 
 
 def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_level() -> None:

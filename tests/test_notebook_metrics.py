@@ -94,6 +94,9 @@ def test_08_translation_techniques_fp16_halves_the_weights(notebook_metrics: Cal
     assert m["bleu"]["baseline"]["sacrebleu_change_low"] == m["bleu"]["baseline"]["sacrebleu_change_high"] == 0
     for name, row in m["bleu"].items():
         assert row["sacrebleu_change_low"] <= row["sacrebleu_change"] <= row["sacrebleu_change_high"], name
+    noise = m["bleu_noise"]  # every two seeds are one pair: k seeds give k(k-1)/2
+    k = noise["seeds"]
+    assert noise["pairs_covering_zero"].endswith(f"/{k * (k - 1) // 2}")
 
 
 def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics: Callable[[str, str], dict]) -> None:

@@ -143,6 +143,7 @@ class TranslationTechniquesParams:
     dsr_periods: list[int] = field(default_factory=lambda: [100, 200, 400, 800])  # DSR rewiring periods, in updates
     timing_updates: int = 10  # updates per timing run (the first two, warm-up, are not timed)
     timing_repeats: int = 2  # timing runs per technique, interleaved with the others
+    noise_seeds: list[int] = field(default_factory=lambda: [0, 1])  # the baseline's seeds for BLEU's seed spread (lowmem.studies.bleu_noise)
 
     FROM = {"recipe_args": "translation_train", "scale_args": "translation_train", "max_tokens": "translation_train",
             "lr": "translation_train", "src_vocab": "translation_memory", "tgt_vocab": "translation_memory",

@@ -41,9 +41,10 @@ def _uses(results: Path, metrics: Path) -> Iterator[tuple[str, str, bool]]:
     for r in runs.read_json(techniques)["trained"] if techniques.exists() else []:
         if "key" in r:
             yield "translation_techniques_train", r["key"], r["trained"]
-    noise = metrics / "proxy_noise_train.json"
-    for r in runs.read_json(noise)["runs"] if noise.exists() else []:
-        yield "proxy_noise_train", r["key"], r["trained"]
+    for stage in ("proxy_noise_train", "bleu_noise_train"):
+        noise = metrics / f"{stage}.json"
+        for r in runs.read_json(noise)["runs"] if noise.exists() else []:
+            yield stage, r["key"], r["trained"]
     for f in sorted((metrics / "combinations").glob("*.json")):
         data = runs.read_json(f)
         search = "search_" if str(data.get("role", "")).startswith("search") else ""

@@ -134,12 +134,21 @@ def resolve_task(task: str, params: dict[str, Any]) -> CombinationsParams:
     return CombinationsParams(task=task, profile=profile, seed=params.get("base", {}).get("seed", 0), **block, **extra)
 
 
+def accountable(p: CombinationsParams, cfg: dict[str, Any]) -> bool:
+    """Whether the accountant can account ``cfg``. The plugin's mixed-bf16 accounts on fake tensors, and DSR draws
+    its pattern from values that they lack, so lowmem.dynamicconv.memory refuses the two together."""
+    return not (p.task == "dynamicconv" and cfg.get("precision") == "mixed-bf16" and cfg.get("sparsity"))
+
+
 def grid(p: CombinationsParams) -> list[dict[str, Any]]:
-    """Every combination of the four lists, the baseline first; only a technique that is on appears in a config."""
+    """Every accountable combination of the four lists, the baseline first; only a technique that is on appears in
+    a config."""
     off = {d: getattr(p, d)[0] for d in DIMS}
     out = []
     for values in itertools.product(*(getattr(p, d) for d in DIMS)):
-        out.append({d: v for d, v in zip(DIMS, values) if v != off[d]})
+        cfg = {d: v for d, v in zip(DIMS, values) if v != off[d]}
+        if accountable(p, cfg):
+            out.append(cfg)
     return out
 
 
@@ -178,8 +187,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
             raise ParamError(f"combinations_{p.task}.singles: {n} is not in the grid")
         chosen.append({"name": n, "role": role})
     pool = memory[~memory.name.isin([c["name"] for c in chosen])]
-    if p.task == "dynamicconv" and not trainable_16bit(p):
-        pool = pool[pool.precision == "fp32"]
+    if p.task == "dynamicconv":
+        pool = pool[pool.precision.map(lambda m: trainable(p, m))]
     for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]
         if reach.empty:
@@ -247,9 +256,15 @@ def search(p: CombinationsParams, memory: pd.DataFrame, effects: dict[tuple[str,
     return picks
 
 
-def trainable_16bit(p: CombinationsParams) -> bool:
-    # fairseq 0.12's --fp16 needs CUDA and --memory-efficient-fp16 fails on the CPU at its first overflow (README).
+def trainable(p: CombinationsParams, precision_mode: str) -> bool:
+    """Whether DynamicConv trains in ``precision_mode`` here. fairseq 0.12's --fp16 needs CUDA and
+    --memory-efficient-fp16 fails on the CPU at its first overflow (README); the plugin's bf16 modes train anywhere."""
+    if precision_mode not in FAIRSEQ_16BIT:
+        return True
     return torch.cuda.is_available() and p.translation.get("device", "auto") != "cpu"
+
+
+FAIRSEQ_16BIT = ("fp16", "memory-efficient-fp16")  # fairseq's own flags; other precision settings are stage 08's names
 
 
 # --- WRN -------------------------------------------------------------------------------------------------------
@@ -332,8 +347,14 @@ def translation_options(p: CombinationsParams, cfg: dict[str, Any]) -> list[str]
         args += ["--sparsity", f"{cfg['sparsity']:g}"]
         if cfg.get("precision") == "fp16":
             args += ["--sparse-method", "static"]
-    if cfg.get("precision"):
-        args += [f"--{cfg['precision']}"]
+    mode = cfg.get("precision")
+    if mode in FAIRSEQ_16BIT:
+        args += [f"--{mode}"]
+    elif mode:  # the plugin's bf16, with its options as stage 08 names them (mixed-bf16, all-bf16)
+        if mode not in t["techniques"]:
+            raise ParamError(f"combinations_dynamicconv.precision: {mode!r} is neither fairseq's ({', '.join(FAIRSEQ_16BIT)}) "
+                             f"nor a technique of translation_techniques.techniques ({', '.join(t['techniques'])})")
+        args += list(t["techniques"][mode])
     k = cfg.get("microbatch", 1)
     if k > 1:
         args += ["--update-freq", str(k), "--max-tokens", str(t["max_tokens"] // k)]
@@ -358,9 +379,22 @@ def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path
     records, save_dir = res["records"], Path(res["dir"])
     ev = translation.evaluate(TranslationEvaluateParams(profile=tp.profile, device=tp.device), data_dir, save_dir,
                               save_dir / "generate", tuple(translation_study.PLUGIN[:2]))
+    # The baseline is stage 08's run (same command, updates and seed), from the store or trained once here.
+    base = translation.train_result(translation_study.train_params(tp, "baseline"), data_dir)
+    base_dir = Path(base["dir"])
+    if not (base_dir / "generate" / "generate.txt").exists():
+        translation.evaluate(TranslationEvaluateParams(profile=tp.profile, device=tp.device), data_dir, base_dir,
+                             base_dir / "generate", tuple(translation_study.PLUGIN[:2]))
+    # One seed: the interval is the test set's sampling (sacreBLEU's paired bootstrap), not training's noise.
+    change = quality.bleu_paired(*(translation.detokenized(translation.hypotheses((d / "generate" / "generate.txt").read_text()))
+                                   for d in (save_dir, base_dir)),
+                                 translation.test_references(data_dir), resamples=translation_study.BOOTSTRAP,
+                                 lowercase=translation.LOWERCASE)
     timing = translation_study.time_steps(tp, data_dir)
     per = pd.DataFrame(timing).groupby("technique").seconds_per_update.median()
-    return {"runs": [{"key": res["key"], "seed": tp.seed, "trained": res["trained"]}],
+    return {"runs": [{"key": res["key"], "seed": tp.seed, "trained": res["trained"]}, {"key": base["key"], "seed": tp.seed, "trained": base["trained"], "role": "baseline"}],
+            "sacrebleu_change": round(change.mean, 2), "sacrebleu_change_low": round(change.low, 2),
+            "sacrebleu_change_high": round(change.high, 2), "bootstrap_resamples": translation_study.BOOTSTRAP,
             "bleu_tokenized": ev["bleu_tokenized"], "sacrebleu": ev["sacrebleu"], "max_update": tp.max_update,
             "updates": max(int(r["num_updates"]) for r in records if "num_updates" in r),
             "time_ratio": round(float(per[n] / per["baseline"]), 3), "timing": timing}

@@ -133,8 +133,10 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
             if r["max_update"] != stage08["max_update"]:
                 raise ValueError(f"{r['name']} trained {r['max_update']} updates but stage 08's baseline {stage08['max_update']}: rerun both")
             i = df.index[df.name == r["name"]]
-            df.loc[i, ["quality_change", "quality_n", "time_ratio", "quality_from"]] = [
-                r["sacrebleu"] - base, 1, r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
+            # Runs trained before the paired bootstrap have no interval.
+            df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio", "quality_from"]] = [
+                r["sacrebleu"] - base, r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
+                r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")

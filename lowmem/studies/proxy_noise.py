@@ -14,7 +14,6 @@ seeds of one configuration shows how much of the noise is training's.
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -27,6 +26,7 @@ from matplotlib.ticker import NullFormatter, ScalarFormatter
 from scipy import stats
 
 from lowmem.studies import quality
+from lowmem.studies.quality import MAX_SEEDS, half_width, sd_interval, seeds_needed  # noqa: F401  (this study's API too)
 from lowmem.studies.params import PROXY_FIELDS, ProxyNoiseParams
 from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.train import Techniques
@@ -35,7 +35,6 @@ from lowmem.wrn.train import Techniques
 COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage proxy_noise "
            "--params data/params/proxy_noise.yaml --out metrics/proxy_noise_train.json")
 SEEDS_SHOWN = (2, 3, 5, 8, 12, 20)  # seed counts of the half-width table
-MAX_SEEDS = 200  # seeds_needed's search stops here: past it the proxy cannot reach the target at any sensible cost
 
 
 def proxy_params(p: ProxyNoiseParams, proxy: dict[str, Any]) -> BaselineParams:
@@ -56,20 +55,8 @@ def subset_indices(test_examples: int, n: int) -> np.ndarray:
     return torch.randperm(test_examples, generator=torch.Generator().manual_seed(0))[:n].numpy()
 
 
-def half_width(sd_single: float, n: int) -> float:
-    """The 95% half-width, in the unit of ``sd_single``, of a mean paired difference over ``n`` seeds, where one
-    pair's difference has sd √2 · ``sd_single``."""
-    if n < 2:
-        return math.inf
-    return float(stats.t.ppf(0.5 + quality.LEVEL / 2, n - 1)) * math.sqrt(2) * sd_single / math.sqrt(n)
 
 
-def seeds_needed(sd_single: float, target: float) -> int | None:
-    """The fewest seeds whose ``half_width`` is at most ``target``; None past ``MAX_SEEDS``."""
-    for n in range(2, MAX_SEEDS + 1):
-        if half_width(sd_single, n) <= target:
-            return n
-    return None
 
 
 def affordable_seeds(budget_s: float, seconds_per_run: float, configurations: int) -> int:
@@ -108,10 +95,6 @@ def pairs_table(res: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def sd_interval(sd: float, n: int) -> tuple[float, float]:
-    """The 95% interval of a normal population's sd from a sample sd of ``n`` values (chi-square)."""
-    tail = (1 - quality.LEVEL) / 2
-    return (sd * math.sqrt((n - 1) / stats.chi2.ppf(1 - tail, n - 1)), sd * math.sqrt((n - 1) / stats.chi2.ppf(tail, n - 1)))
 
 
 def summary(p: ProxyNoiseParams, runs: pd.DataFrame, pairs: pd.DataFrame) -> pd.DataFrame:

@@ -128,3 +128,30 @@ def within_budget(change: Paired, budget: float, rule: str) -> bool:
     if rule == "mean":
         return change.mean >= floor
     return not math.isnan(change.low) and change.low >= floor
+
+
+# --- what n seeds can resolve (notebooks 08 and 10) ---
+
+MAX_SEEDS = 200  # seeds_needed's search stops here: past it the proxy cannot reach the target at any sensible cost
+
+
+def half_width(sd_single: float, n: int) -> float:
+    """The 95% half-width, in the unit of ``sd_single``, of a mean paired difference over ``n`` seeds, where one
+    pair's difference has sd √2 · ``sd_single``."""
+    if n < 2:
+        return math.inf
+    return float(stats.t.ppf(0.5 + LEVEL / 2, n - 1)) * math.sqrt(2) * sd_single / math.sqrt(n)
+
+
+def seeds_needed(sd_single: float, target: float) -> int | None:
+    """The fewest seeds whose ``half_width`` is at most ``target``; None past ``MAX_SEEDS``."""
+    for n in range(2, MAX_SEEDS + 1):
+        if half_width(sd_single, n) <= target:
+            return n
+    return None
+
+
+def sd_interval(sd: float, n: int) -> tuple[float, float]:
+    """The 95% interval of a normal population's sd from a sample sd of ``n`` values (chi-square)."""
+    tail = (1 - LEVEL) / 2
+    return (sd * math.sqrt((n - 1) / stats.chi2.ppf(1 - tail, n - 1)), sd * math.sqrt((n - 1) / stats.chi2.ppf(tail, n - 1)))
