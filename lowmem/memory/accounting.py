@@ -187,6 +187,18 @@ class _Ledger(TorchDispatchMode):
         return t.detach()
 
 
+_ledgers: list[tuple[_Ledger, dict[nn.Parameter, str]]] = []  # the steps being accounted now, and their parameter names
+
+
+def gradient_ready(param: nn.Parameter) -> None:
+    """Tells the accountings in progress that ``param.grad`` is a gradient. For an optimizer that steps inside
+    backward (``lowmem.techniques.fused_step``): it frees each gradient before the step ends, where the accountant
+    would otherwise learn which tensors were gradients."""
+    for ledger, names in _ledgers:
+        if param.grad is not None:
+            ledger.track(param.grad, "grad", names.get(param, ""))
+
+
 @contextmanager
 def recomputing() -> Iterator[None]:
     """Marks tensors created inside as recomputed activations (entered by ``lowmem.techniques.checkpoint`` on recompute)."""
@@ -267,8 +279,12 @@ def account_step(
             raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
         ledger.phase = phase
 
-    with ledger, torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t):
-        step(mark)
+    _ledgers.append((ledger, names))
+    try:
+        with ledger, torch.autograd.graph.saved_tensors_hooks(ledger.pack, lambda t: t):
+            step(mark)
+    finally:
+        _ledgers.pop()
     # Roles only known at the end: what became a .grad or optimizer state.
     for n, p in model.named_parameters():
         if p.grad is not None:
