@@ -40,6 +40,8 @@ def test_a_committed_result_for_other_seeds_is_refused_with_the_command(tmp_path
     with pytest.raises(ParamError, match="python -m lowmem.studies.bleu_noise"):
         bleu_noise.results(p, tmp_path, f)
     assert bleu_noise.results(TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1]), tmp_path, f)["pairs"]
+    with pytest.raises(ParamError, match="is missing"):  # minutes per seed: never trained inside a cpu notebook
+        bleu_noise.results(p, tmp_path, tmp_path / "absent.json")
 
 
 def test_fewer_than_two_seeds_is_refused_before_training(tmp_path: Path) -> None:

@@ -44,6 +44,25 @@ def test_parameters_equal_plain_sgd_bit_for_bit_after_many_steps_under_a_schedul
         assert torch.equal(a, b)  # BatchNorm statistics move alike
 
 
+def test_a_resumed_optimizer_follows_the_schedule_it_loaded() -> None:
+    plain_model, fused_model = _pair()
+    plain = torch.optim.SGD(plain_model.parameters(), **SGD)
+    fused = fused_step.fused_sgd(fused_model, **SGD)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    for model, opt in ((plain_model, plain), (fused_model, fused)):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    fused.load_state_dict(fused.state_dict())  # new group dicts, as a resume makes them
+    for opt in (plain, fused):
+        torch.optim.lr_scheduler.MultiStepLR(opt, [1], 0.01).step()  # the LR drops to a hundredth
+    for model, opt in ((plain_model, plain), (fused_model, fused)):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    for p, q in zip(plain_model.parameters(), fused_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_at_most_one_layers_gradient_is_alive_where_the_plain_step_holds_them_all() -> None:
     # A chain of bias-free linear layers: each weight's gradient is freed by its own step before the next exists.
     sizes = [64, 256, 128, 512, 32]

@@ -64,9 +64,12 @@ def _describe(key: str) -> dict[str, Any]:
     else:
         args = fields["args"]
         what = "fairseq-train " + " ".join(a for a in args[args.index("--max-update"):args.index("--max-update") + 2])
-        extra = [a for a in args if a.startswith("--") and a in ("--sparsity", "--fp16", "--memory-efficient-fp16",
-                                                                 "--update-freq", "--checkpoint-activations")]
-        what += (" " + " ".join(extra)) if extra else " (no technique)"
+        flags = ("--fp16", "--memory-efficient-fp16", "--checkpoint-activations")
+        valued = ("--sparsity", "--update-freq", "--precision")
+        extra = [a for a in args if a in flags]
+        extra += [f"{a} {v}" for a, v in zip(args, args[1:]) if a in valued or (a == "--optimizer" and v != "adam")]
+        seed = args[args.index("--seed") + 1] if "--seed" in args else "?"
+        what += f" seed {seed}" + ((" " + " ".join(extra)) if extra else " (no technique)")
     result = runs.read_json(runs.store() / key / "result.json") if (runs.store() / key / "result.json").exists() else {}
     return {"track": info["track"], "run": what, "code_digest": info["code_digest"], "train_seconds": result.get("train_seconds")}
 

@@ -70,17 +70,19 @@ def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> 
 
 def results(p: TranslationTechniquesParams, data_dir: str | Path, path: str | Path) -> dict[str, Any]:
     """Stage bleu_noise_train's committed result when it holds ``p``'s seeds at ``p``'s profile; else, at the smoke
-    profile, runs trained here (seconds) into a file beside it. At another profile a mismatch says how to rerun."""
+    profile, runs trained here (seconds) into a file beside it. At another profile a missing or other result says
+    how to run the stage."""
     path = Path(path)
 
     def holds(f: Path) -> bool:
         res = runs.read_json(f)
         return (res["profile"], res["max_update"], [r["seed"] for r in res["runs"]]) == (p.profile, p.max_update, p.noise_seeds)
 
+    if p.profile != "smoke" and not (path.exists() and holds(path)):
+        # Minutes per seed: a notebook never trains them behind the reader's back.
+        raise ParamError(f"{path} {'holds other runs than' if path.exists() else 'is missing, with'} "
+                         f"translation_techniques.noise_seeds at profile {p.profile}; run them: {COMMAND}")
     if path.exists() and not holds(path):
-        if p.profile != "smoke":
-            raise ParamError(f"{path} holds other runs than translation_techniques.noise_seeds at profile {p.profile}; "
-                             f"rerun them: {COMMAND}")
         path = path.with_name(f"{path.stem}-smoke{path.suffix}")
     if not (path.exists() and holds(path)):
         runs.write_json(path, train(p, Path(data_dir)))

@@ -134,8 +134,10 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 raise ValueError(f"{r['name']} trained {r['max_update']} updates but stage 08's baseline {stage08['max_update']}: rerun both")
             i = df.index[df.name == r["name"]]
             # Runs trained before the paired bootstrap have no interval.
+            # The change and its interval from one pair: the run's own bootstrap against the baseline it trained
+            # beside (stage 08's command); older runs are against stage 08's recorded score.
             df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio", "quality_from"]] = [
-                r["sacrebleu"] - base, r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
+                r.get("sacrebleu_change", r["sacrebleu"] - base), r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
     if len(profile) != 1:

@@ -42,21 +42,30 @@ class FusedSGD(torch.optim.SGD):
     ``dampening``, ``weight_decay`` and ``maximize`` as SGD's); its gradients are freed as they are used."""
 
     def __init__(self, params: Any, **kwargs: Any) -> None:
-        super().__init__(params, **kwargs)
-        if any(g["differentiable"] for g in self.param_groups):
+        self._handles: list[Any] = []
+        self._group: dict[torch.Tensor, int] = {}  # parameter -> index of its group, read anew at every update
+        super().__init__(params, **kwargs)  # calls add_param_group, which hooks each group's parameters
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["differentiable"]:
             raise ValueError("FusedSGD cannot be differentiable: each update runs in a backward hook")
-        self._group = {p: g for g in self.param_groups for p in g["params"]}
-        self._handles = [p.register_post_accumulate_grad_hook(self._step_one) for p in self._group]
+        for p in group["params"]:
+            if p.requires_grad:  # a frozen parameter has no gradient, and PyTorch refuses to hook it
+                self._group[p] = len(self.param_groups) - 1
+                self._handles.append(p.register_post_accumulate_grad_hook(self._step_one))
 
     @torch.no_grad()
     def _step_one(self, p: torch.Tensor) -> None:
         gradient_ready(p)  # the accountant's only chance to see this tensor as a gradient: it is freed below
-        g, state = self._group[p], self.state[p]
-        buf = [state.get("momentum_buffer")]
+        # By index, not by the dict itself: load_state_dict replaces the group dicts, and a scheduler drives the new ones.
+        g = self.param_groups[self._group[p]]
+        buf = [self.state[p].get("momentum_buffer") if g["momentum"] != 0 else None]
         sgd([p], [p.grad], buf, weight_decay=g["weight_decay"], momentum=g["momentum"], lr=g["lr"],
             dampening=g["dampening"], nesterov=g["nesterov"], maximize=g["maximize"], foreach=False)
         if g["momentum"] != 0:
-            state["momentum_buffer"] = buf[0]
+            self.state[p]["momentum_buffer"] = buf[0]
         p.grad = None
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
