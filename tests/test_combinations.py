@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from lowmem.config import ParamError
-from lowmem.studies import combinations, frontier, quality
+from lowmem.studies import combinations, frontier, quality, quality_model
 
 ROOT = Path(__file__).parents[1]
 
@@ -251,9 +251,21 @@ def test_both_rules_decide_from_the_interval_columns() -> None:
 
 
 def test_each_exact_lever_names_a_test_that_exists() -> None:
-    for lever, ref in combinations.EXACT.items():
+    for lever, ref in [*combinations.EXACT.items(), *quality_model.EXACT_DYNAMICCONV.items()]:
         path, test = ref.split("::")
         assert f"def {test}(" in (ROOT / path).read_text(), lever
+
+
+def test_a_dynamicconv_checkpoint_twin_carries_its_run_only_in_a_tested_precision() -> None:
+    rows = [("baseline", 0, "fp32", 1, "none", 0.0), ("a", 0.9, "all-bf16", 16, "none", -1.5), ("a+ckpt", 0.9, "all-bf16", 16, "layers", None),
+            ("b", 0, "fp16", 4, "none", -0.2), ("b+ckpt", 0, "fp16", 4, "layers", None), ("c+ckpt", 0.5, "all-bf16", 16, "layers", None)]
+    df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "quality_change"])
+    df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 1.0, ""
+    frontier._exact_fill(df, quality_model.EXACT_DYNAMICCONV, quality_model.EXACT_DYNAMICCONV_PRECISIONS)
+    by = df.set_index("name")
+    assert by.loc["a+ckpt", ["quality_change", "quality_low", "quality_high"]].tolist() == [-1.5, -2.5, -0.5]
+    assert by.loc["a+ckpt", "quality_from"].startswith("exact, by test tests/test_translation_techniques.py::")
+    assert by.loc[["b+ckpt", "c+ckpt"], "quality_change"].isna().all()  # fp16 is not covered; c has no trained twin
 
 
 def test_the_report_shows_a_wide_figure_scaled_to_its_width_with_the_aspect_kept(tmp_path: Path) -> None:

@@ -108,9 +108,12 @@ def test_update_freq_gives_the_gradients_of_one_large_batch(data: Path) -> None:
 
 
 @pytest.mark.slow
-def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(data: Path) -> None:
-    plain, task = trainer(data, ["--dropout", "0.3"])
-    ckpt, _ = trainer(data, ["--dropout", "0.3", "--checkpoint-activations"])
+@pytest.mark.parametrize("options", [[], ["--precision", "mixed-bf16"], ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.9"]],
+                         ids=["fp32", "mixed-bf16", "all-bf16+sparse"])
+def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(data: Path, options: list[str]) -> None:
+    """What makes DynamicConv's checkpointing exact in the combination study (quality_model.EXACT_DYNAMICCONV)."""
+    plain, task = trainer(data, ["--dropout", "0.3", *options])
+    ckpt, _ = trainer(data, ["--dropout", "0.3", "--checkpoint-activations", *options])
     sample = batch(task, list(range(16)))
     torch.manual_seed(1)
     out_a = plain.train_step([sample])

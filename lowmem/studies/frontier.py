@@ -27,7 +27,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict, selection
+from lowmem.studies.quality_model import (DIMS, EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, paired_change, predict,
+                                          selection)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -73,18 +74,20 @@ def best_within(
     return pd.DataFrame(rows).reindex(columns=columns).reset_index(drop=True)
 
 
-def _exact_fill(df: pd.DataFrame) -> None:
-    """Quality for the untrained rows that differ from a trained one only by exact levers (``EXACT``): that run's,
-    with the test that makes it exact as its source."""
-    lossy = [d for d in DIMS if d not in EXACT]
+def _exact_fill(df: pd.DataFrame, exact: dict[str, str] = EXACT, precisions: tuple[str, ...] | None = None) -> None:
+    """Quality for the untrained rows that differ from a trained one only by ``exact`` levers: that run's, with the
+    test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all)."""
+    lossy = [d for d in DIMS if d not in exact]
     trained = df[df.quality_change.notna()]
+    if precisions is not None:
+        trained = trained[trained.precision.isin(precisions)]
     measured = {tuple(r[d] for d in lossy): r for _, r in trained.iterrows()}
     for i, r in df[df.quality_change.isna()].iterrows():
         twin = measured.get(tuple(r[d] for d in lossy))
         if twin is not None:
             cols = ["quality_change", "quality_low", "quality_high", "quality_n"]
             df.loc[i, cols] = [twin[c] for c in cols]
-            df.loc[i, "quality_from"] = f"exact, by test {'; '.join(EXACT.values())}: {twin['name']}'s runs"
+            df.loc[i, "quality_from"] = f"exact, by test {'; '.join(exact.values())}: {twin['name']}'s run{'s' if exact is EXACT else ''}"
 
 
 def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
@@ -140,6 +143,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 r.get("sacrebleu_change", r["sacrebleu"] - base), r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
+        _exact_fill(df, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
     df["profile"] = profile.pop()

@@ -19,6 +19,10 @@ DIMS = ("sparsity", "precision", "microbatch", "checkpoint")
 # combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
 # a combination is that very run (lowmem.wrn.train.run_techniques).
 EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers"}
+# DynamicConv's --checkpoint-activations, by fairseq's own Trainer stepping with and without it (dropout on), in the
+# precisions the tests cover: a twin in another precision (fairseq's fp16, which trains only on a GPU) is not filled.
+EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on"}
+EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16")
 
 
 def paired_change(run: dict[str, Any], baseline: dict[str, Any]) -> quality.Paired:
