@@ -47,3 +47,14 @@ def test_a_committed_result_for_other_seeds_is_refused_with_the_command(tmp_path
 def test_fewer_than_two_seeds_is_refused_before_training(tmp_path: Path) -> None:
     with pytest.raises(ParamError, match="at least 2 seeds"):
         bleu_noise.train(TranslationTechniquesParams(noise_seeds=[0]), tmp_path)
+
+
+def test_the_figure_marks_each_pair_by_whether_it_holds_zero_and_draws_the_seed_half_widths() -> None:
+    res = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.2, 0.9), (0.1, 1.0)])
+    fig = bleu_noise.figure(res)
+    _, pairs, widths = fig.axes
+    labels = pairs.get_legend_handles_labels()[1]
+    assert labels == ["holds 0: 1 of 3", "excludes 0: 2 of 3"]
+    curve = widths.get_lines()[0]
+    assert list(curve.get_xdata()) == list(range(2, max(bleu_noise.SEEDS_SHOWN) + 1))
+    assert curve.get_ydata()[1] == pytest.approx(bleu_noise.half_width(1.0, 3))

@@ -27,7 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter, ScalarFormatter
 from scipy import stats
 
 from lowmem import runs
@@ -122,6 +126,52 @@ def caption(p: TranslationTechniquesParams, res: dict[str, Any]) -> str:
             f"more than {MAX_SEEDS}). bootstrap_half_width: the median half-width of sacreBLEU's paired bootstrap "
             f"({res['bootstrap_resamples']} resamples) between two seeds; pairs_covering_zero: how many of those "
             f"intervals hold the true zero difference of two seeds of one configuration.")
+
+
+def figure(res: dict[str, Any]) -> Figure:
+    """Left: each seed's sacreBLEU. Middle: the bootstrap interval of every two seeds, against their true difference
+    of zero. Right: the paired seed interval's half-width against the number of seeds, with the targets and the
+    bootstrap's own half-width."""
+    row = summary_row(res)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4.2), width_ratios=[0.6, 1.2, 1.2])
+    scores = [r["sacrebleu"] for r in res["runs"]]
+    ax1.scatter(np.zeros(len(scores)), scores, color="tab:blue")
+    for r in res["runs"]:
+        ax1.annotate(f"seed {r['seed']}", (0, r["sacrebleu"]), xytext=(8, 0), textcoords="offset points", va="center", fontsize=8)
+    ax1.set_xticks([])
+    ax1.set_xlim(-0.5, 1)
+    ax1.set_ylabel("sacreBLEU (test split)")
+    ax1.set_title(f"Baseline, one point per seed\nsd {row['seed_sd']:.2f}", fontsize=10)
+    pairs = pd.DataFrame(res["pairs"])
+    covers = (pairs.low <= 0) & (pairs.high >= 0)
+    y = np.arange(len(pairs))
+    for ok, color, label in ((True, "tab:green", "holds 0"), (False, "tab:red", "excludes 0")):
+        sel = pairs[covers == ok]
+        if len(sel):
+            ax2.errorbar(sel.change, y[covers == ok], xerr=[sel.change - sel.low, sel.high - sel.change], fmt="o",
+                         color=color, capsize=3, label=f"{label}: {len(sel)} of {len(pairs)}")
+    ax2.axvline(0, color="black", linewidth=1)
+    ax2.set_yticks(y, [f"seeds {s}" for s in pairs.seeds])
+    ax2.set_xlabel("BLEU difference, second seed minus first")
+    ax2.set_title("Paired bootstrap of two seeds of one configuration\n(the true difference is 0)", fontsize=10)
+    ax2.legend(fontsize=8, loc="best")
+    n = np.arange(2, max(SEEDS_SHOWN) + 1)
+    ax3.plot(n, [half_width(row["seed_sd"], k) for k in n], color="tab:blue", marker=".", label="paired seed interval")
+    ax3.axhline(row["bootstrap_half_width"], color="black", linestyle="--", linewidth=1,
+                label=f"bootstrap of one pair (±{row['bootstrap_half_width']:.2f})")
+    for t in TARGETS:
+        ax3.axhline(t, color="grey", linestyle=":", linewidth=1)
+        ax3.annotate(f"±{t:g}", (n[-1], t), xytext=(0, 2), textcoords="offset points", ha="right", va="bottom", fontsize=8, color="grey")
+    ax3.set_yscale("log")
+    ax3.yaxis.set_major_formatter(ScalarFormatter())
+    ax3.yaxis.set_minor_formatter(NullFormatter())  # plain numbers on the log axis: a reader compares them with ±0.15
+    ax3.set_xlabel("seeds (each configuration and the baseline)")
+    ax3.set_ylabel("95% half-width of a BLEU change")
+    ax3.set_title("What a paired seed interval can resolve", fontsize=10)
+    ax3.legend(fontsize=8, loc="upper right")
+    fig.suptitle(f"DynamicConv baseline, profile {res['profile']}, {res['max_update']} updates", fontsize=10)
+    fig.tight_layout()
+    return fig
 
 
 def tables(p: TranslationTechniquesParams, res: dict[str, Any]) -> dict[str, tuple[pd.DataFrame, str]]:
