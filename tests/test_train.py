@@ -108,3 +108,21 @@ def test_a_run_keeps_its_per_example_correctness_even_when_resumed_after_its_las
     resumed = killed_after_epoch_then_resumed(p, 2, tmp_path / "cut")
     assert results(resumed) == results(whole)
     assert (correct_per_example(store_run(p, 0, root=tmp_path / "cut"), len(bits)) == bits).all()
+
+
+def test_a_kahan_run_resumes_with_its_compensation_and_is_not_the_recipes_run(tmp_path: Path) -> None:
+    """torch-optimi's SGD in half-bf16: its momentum and Kahan buffers go into the checkpoint and come back, so a
+    resumed run ends where an uninterrupted one does; the optimizer is part of the run's key."""
+    p, tech = tiny(tmp_path, epochs=2), Techniques(precision="half-bf16", optimizer="optimi-sgd")
+    whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
+
+    def interrupt(done: int, _: dict) -> None:
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(p, 0, tech, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
+    resumed = train(p, 0, tech, progress=False, root=tmp_path / "cut")
+    assert results(resumed) == results(whole)
+    assert store_run(p, 0, tech).key != store_run(p, 0, Techniques(precision="half-bf16")).key
+    assert store_run(p, 0, Techniques(optimizer="sgd")).key == store_run(p, 0, Techniques()).key

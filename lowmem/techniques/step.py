@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.techniques import checkpoint, microbatch, precision, sparsity
+from lowmem.techniques import checkpoint, microbatch, optimizers, precision, sparsity
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class Techniques:
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
     norm: str = "batch"  # normalization layers, see lowmem.techniques.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.techniques.checkpoint: none, block, every-K, sqrt, ...
+    optimizer: str = "sgd"  # beyond the paper, see lowmem.techniques.optimizers: sgd (the recipe's), optimi-sgd (Kahan in 16-bit)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
@@ -49,6 +50,7 @@ class Techniques:
             raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
         if self.norm not in microbatch.NORMS:
             raise ValueError(f"norm={self.norm!r} is not one of {', '.join(microbatch.NORMS)}")
+        optimizers.check(self.optimizer)
 
 
 def _noop(_: str) -> None:

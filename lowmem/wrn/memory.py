@@ -61,7 +61,7 @@ def account(tech: Techniques, shape: Shape = Shape(), seed: int = 0, skip_repeat
         checkpoint.apply(model, tech.checkpoint, in_shape)
         x = precision.cast_batch(torch.empty(B, shape.in_channels, shape.image_size, shape.image_size, device=device), prec)
         y = torch.zeros(B, dtype=torch.long, device=device)
-        opt = make_optimizer(model)
+        opt = make_optimizer(model, name=tech.optimizer)
         scaler = precision.make_scaler(prec, device.type, sync=False)
         n = 3 * b if skip_repeats and b and B // b > 3 and B % b == 0 else B
         fmt = storage_format(model, tech, as_stored)

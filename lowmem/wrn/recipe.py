@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowmem.techniques import optimizers
+
 
 @dataclass(frozen=True)
 class SGDRecipe:
@@ -16,7 +18,6 @@ class SGDRecipe:
     weight_decay: float = 5e-4
 
 
-def make_optimizer(model: nn.Module, recipe: SGDRecipe = SGDRecipe()) -> torch.optim.SGD:
-    return torch.optim.SGD(
-        model.parameters(), lr=recipe.lr, momentum=recipe.momentum, nesterov=recipe.nesterov, weight_decay=recipe.weight_decay
-    )
+def make_optimizer(model: nn.Module, recipe: SGDRecipe = SGDRecipe(), name: str = "sgd") -> torch.optim.Optimizer:
+    """The recipe's optimizer, or another of ``lowmem.techniques.optimizers`` with the recipe's settings."""
+    return optimizers.make(model.parameters(), name, recipe.lr, recipe.momentum, recipe.nesterov, recipe.weight_decay)

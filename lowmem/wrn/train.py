@@ -100,6 +100,8 @@ def run_techniques(tech: Techniques, batch_size: int) -> dict[str, Any]:
     t = asdict(tech)
     t.pop("sparse_format")
     t.pop("checkpoint")
+    if tech.optimizer == "sgd":  # the recipe's: runs from before the field existed keep their key
+        t.pop("optimizer")
     if tech.sparsity == 0:
         for k in ("sparse_method", "dsr_periods", "dsr_reallocate"):
             t.pop(k)
@@ -148,7 +150,7 @@ def train(
     model = wrn_model(p.model, data.num_classes, data.in_channels, tech, device, seed, (p.batch_size, data.in_channels, 32, 32))
     layers = sparsity.sparse_layers(model)
     prec = precision.parse(tech.precision)
-    optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay))
+    optimizer = make_optimizer(model, SGDRecipe(p.lr, p.momentum, p.nesterov, p.weight_decay), tech.optimizer)
     scaler = precision.make_scaler(prec, device.type)
     # The schedule steps per iteration, so its milestones keep the recipe's fractions even for a few epochs.
     steps_per_epoch = -(-len(train_set) // p.batch_size)  # type: ignore[arg-type]
