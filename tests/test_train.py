@@ -46,15 +46,16 @@ def test_same_seed_same_metrics_and_another_seed_differs(tmp_path: Path) -> None
     assert results(a) != results(c)
 
 
-def killed_after_epoch_then_resumed(p: BaselineParams, epoch: int, root: Path) -> list[dict]:
-    """Seed 0 of ``p`` killed just after ``epoch``'s checkpoint, then run again: the resumed run's history."""
+def killed_after_epoch_then_resumed(p: BaselineParams, epoch: int, root: Path, tech: Techniques = Techniques()) -> list[dict]:
+    """Seed 0 of ``p`` under ``tech`` killed just after ``epoch``'s checkpoint, then run again: the resumed run's
+    history."""
     def interrupt(done: int, _: dict) -> None:
         if done == epoch:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(p, 0, progress=False, on_epoch_end=interrupt, root=root)
-    return train(p, 0, progress=False, root=root)
+        train(p, 0, tech, progress=False, on_epoch_end=interrupt, root=root)
+    return train(p, 0, tech, progress=False, root=root)
 
 
 def test_an_interrupted_run_resumes_to_the_same_final_metrics(tmp_path: Path) -> None:
@@ -115,14 +116,7 @@ def test_a_kahan_run_resumes_with_its_compensation_and_is_not_the_recipes_run(tm
     resumed run ends where an uninterrupted one does; the optimizer is part of the run's key."""
     p, tech = tiny(tmp_path, epochs=2), Techniques(precision="half-bf16", optimizer="optimi-sgd")
     whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
-
-    def interrupt(done: int, _: dict) -> None:
-        if done == 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        train(p, 0, tech, progress=False, on_epoch_end=interrupt, root=tmp_path / "cut")
-    resumed = train(p, 0, tech, progress=False, root=tmp_path / "cut")
+    resumed = killed_after_epoch_then_resumed(p, 1, tmp_path / "cut", tech)
     assert results(resumed) == results(whole)
     assert store_run(p, 0, tech).key != store_run(p, 0, Techniques(precision="half-bf16")).key
     assert store_run(p, 0, Techniques(optimizer="sgd")).key == store_run(p, 0, Techniques()).key
