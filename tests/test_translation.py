@@ -99,6 +99,9 @@ def test_preparation_tokenizes_cleans_splits_and_bpes(tmp_path: Path) -> None:
         assert info[f"dict_{lang}_types"] == len(listed) + 4  # plus bos, pad, eos, unk, as fairseq reports it
         assert info[f"dict_{lang}_types"] % 8 == 0 and len(listed) - len(types) < 8
         assert (tmp_path / "bin" / f"test.de-en.{lang}.bin").stat().st_size > 0
+    # Again into the same folder (fairseq-preprocess alone refuses one that holds dictionaries): rebuilt, not mixed.
+    (tmp_path / "bin" / "dict.en.txt").write_text("stale 1\n")
+    assert corpus.binarize(tmp_path, tmp_path / "bin") == info
 
 
 def test_bad_translation_parameters_are_refused_with_the_allowed_values() -> None:

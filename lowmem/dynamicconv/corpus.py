@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -314,6 +315,10 @@ def binarize(bpe_dir: Path, bin_dir: Path, workers: int = 1) -> dict:
     cmd = [*fairseq_cli("preprocess"), "--source-lang", "de", "--target-lang", "en",
            "--trainpref", str(bpe_dir / "train"), "--validpref", str(bpe_dir / "valid"), "--testpref", str(bpe_dir / "test"),
            "--destdir", str(bin_dir), "--workers", str(workers)]
+    # fairseq-preprocess refuses a destination that holds dictionaries, and an old one may come from another corpus
+    # (a notebook's smoke run beside another's): the splits are rebuilt from bpe_dir, as DVC does for its output.
+    if bin_dir.exists():
+        shutil.rmtree(bin_dir)
     r = subprocess.run(cmd, capture_output=True, text=True, env=fairseq_env())
     if r.returncode != 0:
         raise RuntimeError(f"fairseq-preprocess failed ({r.returncode}):\n{r.stderr[-3000:]}")
