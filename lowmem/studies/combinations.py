@@ -281,12 +281,16 @@ def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: in
                       dsr_reallocate=p.dsr.get("dsr_reallocate", 20000))
 
 
+def wrn_shape(p: CombinationsParams) -> wrn_memory.Shape:
+    """The full-size step whose memory the WRN grid accounts (``p.wrn``: WRN-28-2 at B = 128)."""
+    w = p.wrn
+    return wrn_memory.Shape(w["model"], w["batch_size"], w["num_classes"], w["in_channels"], w["image_size"])
+
+
 def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: bool = True) -> dict[str, Any]:
     """The accounted peak of one full-size step (``p.wrn``: WRN-28-2 at B = 128) under ``cfg``, by category
     (``lowmem.wrn.memory``, which follows microbatches 1, 2 and the last one unless ``skip_repeats`` is off)."""
-    w = p.wrn
-    shape = wrn_memory.Shape(w["model"], w["batch_size"], w["num_classes"], w["in_channels"], w["image_size"])
-    r = wrn_memory.account(wrn_techniques(p, cfg), shape, p.seed, skip_repeats)
+    r = wrn_memory.account(wrn_techniques(p, cfg), wrn_shape(p), p.seed, skip_repeats)
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB, "peak_phase": r.peak_phase}
 
 

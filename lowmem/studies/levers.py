@@ -29,7 +29,7 @@ from lowmem import runs
 from lowmem.config import ParamError
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
-from lowmem.studies.combinations import CombinationsParams, resolve_task
+from lowmem.studies.combinations import CombinationsParams, resolve_task, wrn_shape
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.params import BaselineParams
@@ -49,9 +49,7 @@ PAIRS = {("half-bf16", "baseline"): "the paper's 16-bit weights",
 
 def memory(p: CombinationsParams, tech: Techniques) -> dict[str, Any]:
     """The accounted peak of one full-size step under ``tech``, by category at the peak, in MiB."""
-    w = p.wrn
-    shape = wrn_memory.Shape(w["model"], w["batch_size"], w["num_classes"], w["in_channels"], w["image_size"])
-    r = wrn_memory.account(tech, shape, p.seed)
+    r = wrn_memory.account(tech, wrn_shape(p), p.seed)
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB}
 
 
@@ -61,10 +59,11 @@ def train_arms(p: CombinationsParams, progress: bool = True) -> dict[str, Any]:
     arms = {}
     for name, tech in ARMS.items():
         print(f"== {name}", flush=True)
-        fresh = [store_run(base, s, tech).result() is None for s in p.train_seeds]
+        store = [store_run(base, s, tech) for s in p.train_seeds]
+        fresh = [r.result() is None for r in store]
         final = [train(base, s, tech, progress=progress)[-1] for s in p.train_seeds]
         arms[name] = {"techniques": {"precision": tech.precision, "optimizer": tech.optimizer},
-                      "runs": [{"key": store_run(base, s, tech).key, "seed": s, "trained": t} for s, t in zip(p.train_seeds, fresh)],
+                      "runs": [{"key": r.key, "seed": s, "trained": t} for r, s, t in zip(store, p.train_seeds, fresh)],
                       "per_seed_acc": [r["test_acc"] for r in final], "step_s": [r["step_s"] for r in final],
                       "memory": memory(p, tech)}
     return {"profile": p.profile, "model": base.model, "data": final[0]["data"], "epochs": base.epochs,
