@@ -199,6 +199,16 @@ def gradient_ready(param: nn.Parameter) -> None:
             ledger.track(param.grad, "grad", names.get(param, ""))
 
 
+def saved(t: torch.Tensor) -> None:
+    """Tells the accountings in progress that ``t`` is kept for backward. For a lever with saved-tensor hooks of its
+    own (``lowmem.techniques.compress``): only the innermost pair of hooks runs, so the accountant's ``pack`` never
+    sees what such a lever saves."""
+    for ledger, _ in _ledgers:
+        rec = ledger.track(t)
+        if rec is not None:
+            rec.saved = True
+
+
 @contextmanager
 def recomputing() -> Iterator[None]:
     """Marks tensors created inside as recomputed activations (entered by ``lowmem.techniques.checkpoint`` on recompute)."""

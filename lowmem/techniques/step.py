@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.techniques import checkpoint, microbatch, optimizers, precision, sparsity
+from lowmem.techniques import checkpoint, compress, microbatch, optimizers, precision, sparsity
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class Techniques:
     norm: str = "batch"  # normalization layers, see lowmem.techniques.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.techniques.checkpoint: none, block, every-K, sqrt, ...
     optimizer: str = "sgd"  # beyond the paper, see lowmem.techniques.optimizers: sgd (the recipe's), optimi-sgd (Kahan in 16-bit)
+    activation_bits: int = 0  # beyond the paper, see lowmem.techniques.compress: bits of each saved activation, 0 = as computed
 
     def __post_init__(self) -> None:
         if not isinstance(self.sparsity, (int, float)) or not 0.0 <= self.sparsity < 1.0:
@@ -51,6 +52,7 @@ class Techniques:
         if self.norm not in microbatch.NORMS:
             raise ValueError(f"norm={self.norm!r} is not one of {', '.join(microbatch.NORMS)}")
         optimizers.check(self.optimizer)
+        compress.check(self.activation_bits)
 
 
 def _noop(_: str) -> None:
@@ -76,7 +78,7 @@ def train_step(
     total = torch.zeros((), device=x.device)
     for xb, yb, weight in microbatch.microbatches(x, y, tech.microbatch):
         mark("forward")
-        with precision.autocast(prec, x.device.type):
+        with precision.autocast(prec, x.device.type), compress.compressing(tech.activation_bits):
             out = model(xb)
         # The loss in fp32 even from 16-bit logits (a no-op in fp32); weighted by the microbatch's share of the
         # batch, so the accumulated gradient is the full batch's mean-loss gradient.

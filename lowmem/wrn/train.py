@@ -100,8 +100,9 @@ def run_techniques(tech: Techniques, batch_size: int) -> dict[str, Any]:
     t = asdict(tech)
     t.pop("sparse_format")
     t.pop("checkpoint")
-    if tech.optimizer == "sgd":  # the recipe's: runs from before the field existed keep their key
-        t.pop("optimizer")
+    for k, off in (("optimizer", "sgd"), ("activation_bits", 0)):  # levers beyond the paper, off: no key changes
+        if t[k] == off:
+            t.pop(k)
     if tech.sparsity == 0:
         for k in ("sparse_method", "dsr_periods", "dsr_reallocate"):
             t.pop(k)
