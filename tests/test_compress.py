@@ -177,3 +177,7 @@ def test_bad_bit_width_refused_with_the_allowed_values(bits):
 def test_run_key_unchanged_when_off_and_changed_when_on():
     assert "activation_bits" not in run_techniques(Techniques(), 32)
     assert run_techniques(Techniques(activation_bits=4), 32)["activation_bits"] == 4
+    # Checkpointing is exact only against the plain step (its run is the plain run's); with packed activations,
+    # a segment's recomputed internals are exact where the plain step's are packed: another run.
+    assert run_techniques(Techniques(checkpoint="block"), 32) == run_techniques(Techniques(), 32)
+    assert run_techniques(Techniques(checkpoint="block", activation_bits=4), 32) != run_techniques(Techniques(activation_bits=4), 32)

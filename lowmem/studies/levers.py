@@ -1,23 +1,27 @@
-"""Levers beyond the paper, trained: 16-bit weights with a Kahan-compensated update (torch-optimi's SGD), against
-the recipe in fp32 and in half-bf16, on the combination study's proxy and seeds.
+"""Levers beyond the paper, trained on the combination study's proxy and seeds, each paired with the arms it changes.
 
-Four arms, each on ``combinations_wrn.train_seeds`` with the training block of ``combinations_wrn`` (so the baseline
-and half-bf16 are the combination study's own runs, from the run store where they have run):
-- ``baseline``: fp32, the recipe's SGD with Nesterov momentum;
-- ``half-bf16``: every tensor in bf16, the same SGD (which rounds small updates away);
-- ``optimi-sgd``: fp32 with torch-optimi's SGD, which has no Nesterov momentum: that change alone;
-- ``half-bf16+optimi-sgd``: bf16 with torch-optimi's Kahan-compensated SGD.
+Two studies, every arm on ``combinations_wrn.train_seeds`` with the training block of ``combinations_wrn`` (so the
+baseline and the paper's arms are the combination study's own runs, from the run store where they have run):
 
-Each arm's accuracy change is paired over seeds with Student's t (``lowmem.studies.quality.paired``), against the
-baseline and, for the Kahan arm, against its two neighbours, which separate what Kahan summation recovers from
-what dropping Nesterov costs. Memory is accounted at full size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``).
+- ``kahan``: 16-bit weights with a Kahan-compensated update (torch-optimi's SGD, ``lowmem.techniques.optimizers``):
+  ``half-bf16`` (every tensor in bf16, the recipe's SGD, which rounds small updates away), ``optimi-sgd`` (fp32 with
+  torch-optimi's SGD, which has no Nesterov momentum: that change alone) and ``half-bf16+optimi-sgd``.
+- ``activations``: saved activations at 8, 4 and 2 bits (``lowmem.techniques.compress``), alone and on top of the
+  paper's levers that the headline's mean and interval rules pick (microbatch 8 with block checkpointing).
 
-    python -m lowmem.studies.levers --metrics metrics/levers_train.json --table figures/11_levers_kahan.md
+Each arm's accuracy change is paired over seeds with Student's t (``lowmem.studies.quality.paired``) against the
+baseline and against the arm it adds one lever to, which separates that lever's cost. Memory is accounted at full
+size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``). The frontier (``lowmem.studies.frontier``) takes the arms with
+a lever beyond the paper into the headline's row "with levers beyond the paper".
+
+    python -m lowmem.studies.levers --metrics metrics/levers_train.json --tables figures
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,15 +40,32 @@ from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.train import store_run, train
 
 MIB = 2**20
-ARMS = {"baseline": Techniques(), "half-bf16": Techniques(precision="half-bf16"),
+HEADLINE_PAPER = Techniques(microbatch=8, checkpoint="block")  # the paper's levers that the headline's rules pick at cpu
+ARMS = {"baseline": Techniques(),
+        **{f"activations-{b}": Techniques(activation_bits=b) for b in (8, 4, 2)},
+        "microbatch-8+checkpoint-block": HEADLINE_PAPER,
+        **{f"microbatch-8+checkpoint-block+activations-{b}": Techniques(microbatch=8, checkpoint="block", activation_bits=b)
+           for b in (8, 2)},
+        "half-bf16": Techniques(precision="half-bf16"),
         "optimi-sgd": Techniques(optimizer="optimi-sgd"),
         "half-bf16+optimi-sgd": Techniques(precision="half-bf16", optimizer="optimi-sgd")}
-# (arm, against): what each comparison isolates
-PAIRS = {("half-bf16", "baseline"): "the paper's 16-bit weights",
-         ("optimi-sgd", "baseline"): "torch-optimi's SGD without Nesterov, fp32",
-         ("half-bf16+optimi-sgd", "baseline"): "16-bit weights with Kahan summation, all told",
-         ("half-bf16+optimi-sgd", "optimi-sgd"): "Kahan bf16 against the same optimizer in fp32",
-         ("half-bf16+optimi-sgd", "half-bf16"): "Kahan bf16 against plain bf16"}
+# Per study, (arm, against): what each comparison isolates.
+PAIRS = {
+    "kahan": {("half-bf16", "baseline"): "the paper's 16-bit weights",
+              ("optimi-sgd", "baseline"): "torch-optimi's SGD without Nesterov, fp32",
+              ("half-bf16+optimi-sgd", "baseline"): "16-bit weights with Kahan summation, all told",
+              ("half-bf16+optimi-sgd", "optimi-sgd"): "Kahan bf16 against the same optimizer in fp32",
+              ("half-bf16+optimi-sgd", "half-bf16"): "Kahan bf16 against plain bf16"},
+    "activations": {
+        **{(f"activations-{b}", "baseline"): f"activations saved at {b} bits, alone" for b in (8, 4, 2)},
+        ("microbatch-8+checkpoint-block", "baseline"): "the paper's levers of the headline (checkpointing exact)",
+        **{(f"microbatch-8+checkpoint-block+activations-{b}", "baseline"): f"{b}-bit activations on top, all told"
+           for b in (8, 2)},
+        **{(f"microbatch-8+checkpoint-block+activations-{b}", "microbatch-8+checkpoint-block"): f"{b}-bit activations on top, alone"
+           for b in (8, 2)}},
+}
+# An arm with a lever beyond the paper, for the headline's row "with levers beyond the paper".
+BEYOND = tuple(n for n, t in ARMS.items() if t.optimizer != "sgd" or t.activation_bits)
 
 
 def memory(p: CombinationsParams, tech: Techniques) -> dict[str, Any]:
@@ -62,7 +83,7 @@ def train_arms(p: CombinationsParams, progress: bool = True) -> dict[str, Any]:
         store = [store_run(base, s, tech) for s in p.train_seeds]
         fresh = [r.result() is None for r in store]
         final = [train(base, s, tech, progress=progress)[-1] for s in p.train_seeds]
-        arms[name] = {"techniques": {"precision": tech.precision, "optimizer": tech.optimizer},
+        arms[name] = {"techniques": {k: v for k, v in dataclasses.asdict(tech).items() if v != getattr(Techniques(), k)},
                       "runs": [{"key": r.key, "seed": s, "trained": t} for r, s, t in zip(store, p.train_seeds, fresh)],
                       "per_seed_acc": [r["test_acc"] for r in final], "step_s": [r["step_s"] for r in final],
                       "memory": memory(p, tech)}
@@ -70,25 +91,34 @@ def train_arms(p: CombinationsParams, progress: bool = True) -> dict[str, Any]:
             "batch_size": base.batch_size, "seeds": list(p.train_seeds), "arms": arms}
 
 
-def table(res: dict[str, Any]) -> pd.DataFrame:
-    """Each comparison of ``PAIRS``: the paired accuracy change (points) with its 95% interval, and the accounted
-    memory reduction of the arm against the baseline (WRN-28-2 at full size)."""
+def table(res: dict[str, Any], study: str) -> pd.DataFrame:
+    """Each comparison of ``PAIRS[study]``: the paired accuracy change (points) with its 95% interval, and the
+    accounted memory of the arm and its reduction against the baseline (WRN-28-2 at full size)."""
     arms, base_mib = res["arms"], res["arms"]["baseline"]["memory"]["total_mib"]
     rows = []
-    for (arm, against), what in PAIRS.items():
-        by_seed = {n: {s: 100 * a for s, a in zip(res["seeds"], arms[n]["per_seed_acc"])} for n in (arm, against)}
-        c = quality.paired(quality.seed_pairs(by_seed[arm], by_seed[against]))
+    for (arm, against), what in PAIRS[study].items():
+        c = change(res, arm, against)
         m = arms[arm]["memory"]
         rows.append({"arm": arm, "against": against, "isolates": what, "accuracy_change": c.mean, "low": c.low,
-                     "high": c.high, "seeds": c.n, "optimizer_mib": m["optimizer_mib"], "total_mib": m["total_mib"],
-                     "reduction": base_mib / m["total_mib"]})
+                     "high": c.high, "seeds": c.n, f"{'optimizer' if study == 'kahan' else 'activations'}_mib":
+                     m[f"{'optimizer' if study == 'kahan' else 'activations'}_mib"], "total_mib": m["total_mib"],
+                     "reduction": base_mib / m["total_mib"],
+                     "time_ratio": statistics.median(arms[arm]["step_s"]) / statistics.median(arms[against]["step_s"])})
     return pd.DataFrame(rows)
+
+
+def change(res: dict[str, Any], arm: str, against: str) -> quality.Paired:
+    """``arm``'s accuracy change in points against ``against``, paired by seed."""
+    by_seed = {n: {s: 100 * a for s, a in zip(res["seeds"], res["arms"][n]["per_seed_acc"])} for n in (arm, against)}
+    return quality.paired(quality.seed_pairs(by_seed[arm], by_seed[against]))
 
 
 def caption(res: dict[str, Any]) -> str:
     return (f"Profile `{res['profile']}`: {res['model']} on {res['data']}, {res['epochs']} epochs at batch "
             f"{res['batch_size']}, seeds {res['seeds']} (every arm on each; changes paired by seed, Student's t, 95%). "
-            f"Memory: WRN-28-2 at batch 128, full size, accounted; reduction against the fp32 baseline.")
+            f"Memory: WRN-28-2 at batch 128, full size, accounted; reduction against the fp32 baseline. Time: median "
+            f"seconds per step of the arm over its against's, from the training runs themselves (one machine, one run "
+            f"after another).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the profile's combinations_wrn block is read")
     ap.add_argument("--data-root", default="data/raw", help="image datasets (Fashion-MNIST at the cpu profile)")
     ap.add_argument("--metrics", type=Path, required=True, help="write every arm's per-seed accuracy and memory here")
-    ap.add_argument("--table", type=Path, help="also write the paired comparisons as Markdown here")
+    ap.add_argument("--tables", type=Path, help="also write each study's paired comparisons as Markdown into this folder "
+                    "(11_levers_<study>.md)")
     args = ap.parse_args(argv)
     try:
         p = resolve_task("wrn", yaml.safe_load(args.params.read_text()))
@@ -106,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs.write_json(args.metrics, res)
-    if args.table:
-        args.table.write_text(caption(res) + "\n\n" + table(res).round(3).to_markdown(index=False) + "\n")
+    for study in PAIRS if args.tables else ():
+        (args.tables / f"11_levers_{study}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
     return 0
 
 
