@@ -65,6 +65,36 @@ def test_comparison_reads_the_paper_from_the_reference_file(tmp_path: Path) -> N
         frontier.comparison({t: frontier.best_within(POINTS.assign(config=POINTS.name), [9.0]) for t in ref["tasks"]}, ref, {})
 
 
+def test_beyond_rows_pair_each_arm_with_a_lever_beyond_the_paper_against_its_baseline(tmp_path: Path) -> None:
+    arm = lambda acc, mib, step, **tech: {"techniques": tech, "per_seed_acc": acc, "step_s": step,  # noqa: E731
+                                          "memory": {"activations_mib": mib / 2, "total_mib": mib}}
+    res = {"profile": "cpu", "seeds": [0, 1, 2], "arms": {
+        "baseline": arm([0.90, 0.91, 0.92], 400.0, [0.2, 0.2, 0.2]),
+        "microbatch-8": arm([0.90, 0.90, 0.90], 40.0, [0.3, 0.3, 0.3], microbatch=8),  # the paper's: left out
+        "activations-2": arm([0.89, 0.91, 0.90], 100.0, [0.3, 0.5, 0.4], activation_bits=2),
+        "optimi-sgd": arm([0.90, 0.91, 0.92], 400.0, [0.2, 0.2, 0.2], optimizer="optimi-sgd")}}
+    (tmp_path / "levers_train.json").write_text(json.dumps(res))
+    rows = frontier.beyond_rows(tmp_path).set_index("name")
+    assert list(rows.index) == ["activations-2", "optimi-sgd"]
+    a = rows.loc["activations-2"]
+    assert a.reduction == pytest.approx(4.0) and a.quality_change == pytest.approx((-1 + 0 - 2) / 3)
+    assert a.quality_n == 3 and a.quality_low < a.quality_change < a.quality_high
+    assert a.time_ratio == pytest.approx(0.4 / 0.2)  # medians of the runs' steps
+    assert json.loads(a.config) == {"activation_bits": 2}
+    assert frontier.beyond_rows(tmp_path / "nothing").empty
+
+
+def test_comparison_says_so_for_a_task_with_no_lever_beyond_the_paper() -> None:
+    ref = frontier.paper_reference()
+    task = next(iter(ref["tasks"]))
+    pts = POINTS.assign(config=POINTS.name)
+    comp = frontier.comparison({task: frontier.best_within(pts, [-ref["tasks"][task]["quality_change"]])}, ref,
+                               {t: "test" for t in ref["tasks"]}, frontier.LEVERS_BEYOND).set_index("task")
+    assert (comp.levers == frontier.LEVERS_BEYOND).all()
+    others = [t for t in ref["tasks"] if t != task]
+    assert all(comp.loc[t, "our_config"].startswith("none trained") and pd.isna(comp.loc[t, "our_reduction"]) for t in others)
+
+
 def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
     readme.write_text(f"# t\n\n{frontier.README_BEGIN}\nold\n{frontier.README_END}\n\nrest\n")

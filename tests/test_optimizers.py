@@ -85,10 +85,11 @@ def test_the_levers_table_pairs_each_arm_by_seed_and_reduces_against_the_baselin
     acc = {"baseline": [0.90, 0.91, 0.92], "half-bf16": [0.89, 0.89, 0.91], "optimi-sgd": [0.90, 0.90, 0.93],
            "half-bf16+optimi-sgd": [0.90, 0.91, 0.91]}
     res = {"profile": "cpu", "model": "m", "data": "d", "epochs": 1, "batch_size": 32, "seeds": [0, 1, 2],
-           "arms": {a: {"per_seed_acc": acc[a], "memory": {"optimizer_mib": 1.0, "total_mib": mem[a]}} for a in mem}}
-    t = levers.table(res).set_index(["arm", "against"])
+           "arms": {a: {"per_seed_acc": acc[a], "step_s": [0.1, 0.1, 0.1],
+                        "memory": {"optimizer_mib": 1.0, "total_mib": mem[a]}} for a in mem}}
+    t = levers.table(res, "kahan").set_index(["arm", "against"])
     row = t.loc[("half-bf16+optimi-sgd", "half-bf16")]
     assert row.accuracy_change == pytest.approx((1 + 2 + 0) / 3)  # per seed: +1, +2, 0 points
     assert row.reduction == pytest.approx(100 / 52)
     assert t.loc[("half-bf16", "baseline")].low < t.loc[("half-bf16", "baseline")].accuracy_change
-    assert len(t) == len(levers.PAIRS)
+    assert len(t) == len(levers.PAIRS["kahan"])

@@ -21,7 +21,9 @@ def save_table(df: pd.DataFrame, path: str | Path, caption: str) -> tuple[Path, 
     """Writes ``path`` as CSV and a Markdown twin (``.md``) that starts with ``caption`` (profile, data, method)."""
     path = Path(path)
     csv = runs.atomic_write(path.with_suffix(".csv"), lambda p: df.to_csv(p, index=False))
-    md_text = f"{caption}\n\n{df.to_markdown(index=False, floatfmt='.4g')}\n"
+    # A missing value is blank, not 'nan' (tabulate leaves only None blank).
+    shown = df.astype(object).where(df.notna(), None)
+    md_text = f"{caption}\n\n{shown.to_markdown(index=False, floatfmt='.4g', missingval='')}\n"
     md = runs.atomic_write(path.with_suffix(".md"), lambda p: Path(p).write_text(md_text))
     return csv, md
 

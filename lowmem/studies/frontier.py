@@ -27,8 +27,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (DIMS, EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, paired_change, predict,
-                                          selection)
+from lowmem.studies.quality_model import (DIMS, EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, beyond_paper,
+                                          paired_change, predict, selection)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -151,19 +151,58 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     return df
 
 
+LEVERS_PAPER, LEVERS_BEYOND = "the paper's", "the paper's and beyond"  # the headline rows' ``levers``
+
+
+def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
+    """WRN's configurations with a lever beyond the paper, from stage levers_train (``metrics/levers_train.json``):
+    each arm's accuracy change paired by seed with the baseline trained beside it, its full-size memory reduction
+    against that baseline, and its time per step against it, from the training runs. Empty without that file."""
+    path = Path(metrics_dir) / "levers_train.json"
+    if not path.exists():
+        return pd.DataFrame()
+    res = json.loads(path.read_text())
+    arms, seeds = res["arms"], res["seeds"]
+    base = arms["baseline"]
+
+    def by_seed(arm: dict[str, Any]) -> dict[int, float]:
+        return {s: 100 * a for s, a in zip(seeds, arm["per_seed_acc"])}
+
+    rows = []
+    for name, arm in arms.items():
+        if not beyond_paper(arm["techniques"]):
+            continue
+        c = quality.paired(quality.seed_pairs(by_seed(arm), by_seed(base)))
+        rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
+                     **{k: v for k, v in arm["memory"].items()},
+                     "reduction": base["memory"]["total_mib"] / arm["memory"]["total_mib"],
+                     "quality_change": c.mean, "quality_low": c.low, "quality_high": c.high, "quality_n": c.n,
+                     "time_ratio": float(np.median(arm["step_s"]) / np.median(base["step_s"])),
+                     "quality_from": "stage levers_train", "profile": res["profile"]})
+    return pd.DataFrame(rows)
+
+
 def paper_reference(path: Path = REFERENCE) -> dict[str, Any]:
     """The paper's headline figures and their citation, from the project's one reference file."""
     return yaml.safe_load(path.read_text())
 
 
-def comparison(best: dict[str, pd.DataFrame], reference: dict[str, Any], label: dict[str, str]) -> pd.DataFrame:
+def comparison(best: dict[str, pd.DataFrame], reference: dict[str, Any], label: dict[str, str],
+               levers: str = LEVERS_PAPER) -> pd.DataFrame:
     """Ours beside the paper's: for each task and each rule of ``best``'s tables, our best reduction within the
     paper's own quality budget (the budget is the paper's loss, read from ``reference``). ``best`` maps a task to a
     ``best_within`` table that has that budget; ``label`` says what our numbers are (profile, model, data), since
-    they are not the paper's setting."""
+    they are not the paper's setting. ``levers`` says which levers the rows searched; a task missing from ``best``
+    gets a row saying that none of them was trained for it."""
     rows = []
     for task, ref in reference["tasks"].items():
         budget = -ref["quality_change"]
+        if task not in best:
+            rows.append({"task": task, "levers": levers, "rule": "both", "paper_setting": f"{ref['model']} on {ref['data']}",
+                         "budget": f"{budget:g} ({ref['metric']})", "paper_reduction": ref["memory_reduction"],
+                         "paper_change": ref["quality_change"], "our_setting": label.get(task, ""),
+                         "our_config": "none trained: no lever beyond the paper has quality for this task"})
+            continue
         table = best[task]
         rules = table["rule"].unique() if "rule" in table else ["mean"]
         for rule in rules:
@@ -178,6 +217,7 @@ def comparison(best: dict[str, pd.DataFrame], reference: dict[str, Any], label: 
 
             rows.append({
                 "task": task,
+                "levers": levers,
                 "rule": rule,
                 "paper_setting": f"{ref['model']} on {ref['data']}",
                 "budget": f"{budget:g} ({ref['metric']})",
@@ -234,6 +274,8 @@ class Study:
     best: dict[str, pd.DataFrame]
     trained_on: dict[str, str]
     reference: dict[str, Any]
+    beyond: dict[str, pd.DataFrame]  # per task, configurations with a lever beyond the paper (``beyond_rows``)
+    best_beyond: dict[str, pd.DataFrame]  # ``best_within`` over the paper's combinations and those, together
 
     @property
     def profile(self) -> dict[str, str]:
@@ -265,7 +307,16 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference())
+    beyond = {"wrn": beyond_rows(metrics_dir)}
+    beyond = {t: b for t, b in beyond.items() if not b.empty}
+    for t, b in beyond.items():
+        if set(b.profile) != {profile[t]}:
+            raise ValueError(f"{t}: stage levers_train ran at profile {sorted(set(b.profile))}, the combinations at "
+                             f"{profile[t]!r}: rerun both at one profile")
+    best_beyond = {t: pd.concat([best_within(pd.concat([res[t], b], ignore_index=True), budgets[t], rule=rule)
+                                 for rule in RULES], ignore_index=True) for t, b in beyond.items()}
+    return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference(),
+                 beyond=beyond, best_beyond=best_beyond)
 
 
 def overview(s: Study) -> str:
@@ -281,7 +332,9 @@ FRONTIER_CAPTION = (
     "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: the 95% "
     "interval of the paired change (WRN: over seeds; DynamicConv: paired bootstrap of one seed's test set, where "
     "computed). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
-    "so they carry its quality. White points: time per step not measured at this profile.")
+    "so they carry its quality. White points: time per step not measured at this profile. Stars: configurations with a "
+    "lever beyond the paper (compressed activations, Kahan-compensated bf16), trained beside their own baseline on "
+    "the same seeds; their time is from those training runs.")
 
 
 def figure(s: Study) -> Figure:
@@ -293,6 +346,7 @@ def figure(s: Study) -> Figure:
     fig, axes = plt.subplots(1, len(s.results), figsize=(16, 6.4), gridspec_kw={"wspace": 0.25})
     norm = plt.Normalize(0.5, 2.5)
     cmap = sns.color_palette("flare", as_cmap=True)
+    key_lines = 0
     for ax, (task, r) in zip(axes, s.results.items()):
         t = r[r.quality_change.notna()].sort_values("reduction")
         exact = t.quality_from.str.startswith("exact")
@@ -304,20 +358,18 @@ def figure(s: Study) -> Figure:
             if untimed.any():
                 ax.scatter(t.reduction[untimed], t.quality_change[untimed], facecolor="white", edgecolor="black",
                            s=size, marker=marker, zorder=3, label="time not measured" if marker == "o" else None)
+        b = s.beyond.get(task, pd.DataFrame())
+        if not b.empty:  # apart from the paper's levers: another marker, and out of the paper's Pareto frontier
+            ax.scatter(b.reduction, b.quality_change, c=b.time_ratio, cmap=cmap, norm=norm, s=150, marker="*",
+                       edgecolor="black", linewidth=0.6, zorder=4, label="with a lever beyond the paper (stage levers_train)")
+            ax.errorbar(b.reduction, b.quality_change, fmt="none", ecolor="tab:green", lw=0.9, capsize=2, zorder=2,
+                        yerr=[b.quality_change - b.quality_low, b.quality_high - b.quality_change])
         bars = t[~exact & t.quality_low.notna()]
         if not bars.empty:
             ax.errorbar(bars.reduction, bars.quality_change, fmt="none", ecolor="grey", lw=0.9, capsize=2, zorder=2,
                         yerr=[bars.quality_change - bars.quality_low, bars.quality_high - bars.quality_change])
         front = t[t.pareto].sort_values("reduction")
         ax.plot(front.reduction, front.quality_change, color="black", lw=1.2, zorder=1, label="Pareto frontier")
-        # Numbers at the points and the names in a key under the axes: long names at crowded points overlap.
-        labelled = t[t.pareto | t.role.str.startswith("search")]
-        key = []
-        for k, row in enumerate(labelled.itertuples(), start=1):
-            ax.annotate(str(k), (row.reduction, row.quality_change), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7, fontweight="bold")
-            key.append(f"{k}: {row.name} ({row.reduction:.1f}x, {row.quality_change:+.2f})")
-        ax.text(0.0, -0.2, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=7)
         # symlog: losses of tenths of a point and a collapsed run of tens of points on one axis
         ax.set_yscale("symlog", linthresh=1)
         lo, hi = ax.get_ylim()
@@ -329,13 +381,27 @@ def figure(s: Study) -> Figure:
         ax.set_xscale("log")
         ax.text(ax.get_xlim()[1], ref["quality_change"], f"paper's budget ({ref['quality_change']:+g}) ", color="tab:blue",
                 fontsize=7, va="top", ha="right")
+        # Numbers at the points and the names in a key under the axes: long names at crowded points overlap. Once
+        # the scales are set, a number whose point lies within a few pixels of one already numbered goes higher.
+        labelled = pd.concat([t[t.pareto | t.role.str.startswith("search")], b])
+        key, placed = [], []
+        for k, row in enumerate(labelled.itertuples(), start=1):
+            at = ax.transData.transform((row.reduction, row.quality_change))
+            near = sum(1 for q in placed if np.hypot(*(at - q)) < 14)
+            placed.append(at)
+            ax.annotate(str(k), (row.reduction, row.quality_change), textcoords="offset points",
+                        xytext=(4, 4 + 9 * near), fontsize=7, fontweight="bold")
+            key.append(f"{k}: {row.name} ({row.reduction:.1f}x, {row.quality_change:+.2f})")
+        ax.text(0.0, -0.2, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=7)
+        key_lines = max(key_lines, len(key))
         ax.set(xlabel=f"memory reduction (x, log scale)\n{MEMORY_AT[task]}", ylabel=f"{QUALITY[task]} (symlog)",
                title=f"{task}\n" + textwrap.fill(f"quality: {s.trained_on[task]}", 90))
         ax.title.set_fontsize(8)
         ax.legend(loc="lower left", fontsize=7)
     fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
                  label="time per step / baseline (active profile)", shrink=0.8)
-    fig.text(0.5, -0.19, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
+    # Under the longest key: a line of the key at 7 pt is about 0.019 of the figure's 6.4-inch height.
+    fig.text(0.5, -0.1 - 0.019 * key_lines, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
     return fig
 
 
@@ -388,17 +454,18 @@ def rules_text() -> str:
     return "Rules: " + "; ".join(f"**{r}**: {quality.RULES[r]}" for r in RULES) + "."
 
 
-def _best_configs(s: Study) -> dict[str, pd.DataFrame]:
+def _best_configs(best: dict[str, pd.DataFrame]) -> dict[str, pd.DataFrame]:
     """``best`` with the combination's name as its ``config`` (what ``comparison`` and the metrics read)."""
     return {t: b.drop(columns=["config"], errors="ignore").rename(columns={"name": "config"})
-            for t, b in s.best.items()}
+            for t, b in best.items()}
 
 
 def paper_comparison(s: Study) -> pd.DataFrame:
     """Our best reduction within the paper's own quality budget beside the paper's headline (``comparison``), each
     row labelled with the profile, model and data of our quality and the setting of our memory."""
     label = {t: f"{s.trained_on[t]}; memory: {MEMORY_AT[t]}" for t in s.results}
-    return comparison(_best_configs(s), s.reference, label)
+    return pd.concat([comparison(_best_configs(s.best), s.reference, label),
+                      comparison(_best_configs(s.best_beyond), s.reference, label, LEVERS_BEYOND)], ignore_index=True)
 
 
 def comparison_caption(s: Study) -> str:
@@ -431,7 +498,7 @@ def _metric_row(row: pd.Series) -> dict[str, Any]:
 def metrics(s: Study) -> dict[str, Any]:
     """metrics/combinations.json: the profile of each task, the paper's headline, and per task how many combinations
     were accounted and trained, the largest accounted reduction and the best combination within each budget."""
-    best = _best_configs(s)
+    best, best_beyond = _best_configs(s.best), _best_configs(s.best_beyond)
     summary: dict[str, Any] = {
         "profile": s.profile,
         "paper": {t: {"reduction": v["memory_reduction"], "quality_change": v["quality_change"]}
@@ -446,4 +513,8 @@ def metrics(s: Study) -> dict[str, Any]:
             "best_within": {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
                             for rule, b in best[task].groupby("rule", sort=False)},
         }
+        if task in best_beyond:  # the paper's levers and those beyond it (stage levers_train), together
+            summary[task]["beyond_paper_trained"] = len(s.beyond[task])
+            summary[task]["best_within_beyond"] = {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
+                                                   for rule, b in best_beyond[task].groupby("rule", sort=False)}
     return summary

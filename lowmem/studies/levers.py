@@ -64,10 +64,6 @@ PAIRS = {
         **{(f"microbatch-8+checkpoint-block+activations-{b}", "microbatch-8+checkpoint-block"): f"{b}-bit activations on top, alone"
            for b in (8, 2)}},
 }
-# An arm with a lever beyond the paper, for the headline's row "with levers beyond the paper".
-BEYOND = tuple(n for n, t in ARMS.items() if t.optimizer != "sgd" or t.activation_bits)
-
-
 def memory(p: CombinationsParams, tech: Techniques) -> dict[str, Any]:
     """The accounted peak of one full-size step under ``tech``, by category at the peak, in MiB."""
     r = wrn_memory.account(tech, wrn_shape(p), p.seed)

@@ -23,6 +23,13 @@ EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equa
 # precisions the tests cover: a twin in another precision (fairseq's fp16, which trains only on a GPU) is not filled.
 EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on"}
 EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16")
+# Fields of lowmem.techniques.step.Techniques that are levers beyond the paper, with their 'off' values.
+BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
+
+
+def beyond_paper(techniques: dict[str, Any]) -> bool:
+    """Whether a configuration (the non-default fields of a ``Techniques``) uses a lever beyond the paper."""
+    return any(techniques.get(k, off) != off for k, off in BEYOND_PAPER.items())
 
 
 def paired_change(run: dict[str, Any], baseline: dict[str, Any]) -> quality.Paired:

@@ -29,7 +29,7 @@ FIGURES: dict[str, list[tuple[str, str | None]]] = {
 }
 ALONE_CAPTION = "Accounted at full size (notebooks 03–06 and 08); each technique against its task's baseline."
 # The headline table: the comparison's columns (figures/09_paper_comparison.csv) under the README's names.
-HEADLINE = {"task": "task", "rule": "rule", "paper_setting": "paper's setting", "budget": "quality budget",
+HEADLINE = {"task": "task", "levers": "levers", "rule": "rule", "paper_setting": "paper's setting", "budget": "quality budget",
             "paper_reduction": "paper: memory reduction", "our_reduction": "ours: memory reduction",
             "our_change": "ours: quality change", "our_low": "ours: 95% low", "our_high": "ours: 95% high",
             "our_n": "ours: seeds", "our_config": "our configuration", "our_setting": "our setting (profile, model, data)"}
@@ -157,12 +157,16 @@ def reading(r: Report) -> str:
     """What the headline says, per task, and how far the grid went (Markdown)."""
     lines = []
     for row in comparison(r).itertuples():
+        who = f"**{row.task}**, {row.levers} levers, {row.rule} rule"
+        if row.our_config.startswith("none trained"):
+            lines.append(f"- {who}: {row.our_config}.")
+            continue
         if pd.isna(row.our_reduction):
-            lines.append(f"- **{row.task}**, {row.rule} rule: no combination stays within {row.budget}.")
+            lines.append(f"- {who}: no combination stays within {row.budget}.")
             continue
         side = "beyond" if row.our_reduction > row.paper_reduction else "short of"
         interval = ("no interval" if pd.isna(row.our_low) else f"95% interval {row.our_low:+.2f} to {row.our_high:+.2f}")
-        lines.append(f"- **{row.task}**, {row.rule} rule: within the paper's budget of {row.budget}, the best combination "
+        lines.append(f"- {who}: within the paper's budget of {row.budget}, the best combination "
                      f"is `{row.our_config}` at {row.our_reduction:.1f}x ({row.our_change:+.2f}, {interval}), {side} the "
                      f"paper's {row.paper_reduction:g}x ({row.ours_over_paper:.2f} of it). Its quality comes from "
                      f"{row.our_setting.split(';')[0]}.")
