@@ -1,0 +1,139 @@
+"""The models ``lowmem profile`` and ``lowmem plan`` take, by spec string, and the batch of one training step.
+
+- ``torchvision:NAME``: any classification model of ``torchvision.models`` (``resnet50``, ``vit_b_16``,
+  ``mobilenet_v3_large``, ...), untrained;
+- ``wrn:wrn-28-2``: this project's WideResNet (``lowmem.wrn.models``);
+- ``fairseq:ARCH``: a fairseq translation architecture (``lightconv_iwslt_de_en``, ``transformer_iwslt_de_en``,
+  ...), accounted by the DynamicConv track's fairseq step (``lowmem.dynamicconv.memory``);
+- ``MODULE:FACTORY``: any importable callable that returns an ``nn.Module`` (``mypkg.models:build``).
+
+A model that is not fairseq's trains with cross-entropy on its output: logits with the classes last, as
+``nn.Linear`` heads give them (``(B, C)``, or ``(B, T, C)`` for a sequence, whose classes are moved to dim 1 as
+``F.cross_entropy`` wants). Its input is a float batch of ``--input`` (C x H x W, say), or token ids below
+``--vocab`` when given.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowmem.wrn.models import build_model
+
+KINDS = ("torchvision", "wrn", "fairseq", "MODULE")
+
+
+class SpecError(ValueError):
+    """A model, shape or option that cannot be used; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: str  # torchvision, wrn, fairseq, or module
+    name: str
+
+
+def parse(spec: str) -> Spec:
+    """'torchvision:resnet50' -> Spec('torchvision', 'resnet50'); 'pkg.mod:factory' -> Spec('module', 'pkg.mod:factory')."""
+    kind, sep, name = spec.partition(":")
+    if not sep or not kind or not name:
+        raise SpecError(f"model {spec!r}: write KIND:NAME with KIND one of torchvision, wrn, fairseq, or a Python "
+                        "module path (e.g. torchvision:resnet50, wrn:wrn-28-2, fairseq:lightconv_iwslt_de_en, mypkg.models:build)")
+    if kind in ("torchvision", "wrn", "fairseq"):
+        return Spec(kind, name)
+    return Spec("module", spec)
+
+
+def shape(text: str) -> tuple[int, ...]:
+    """'3x224x224' -> (3, 224, 224)."""
+    try:
+        dims = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        dims = ()
+    if not dims or any(d <= 0 for d in dims):
+        raise SpecError(f"input shape {text!r} is not positive integers joined by x (e.g. 3x224x224, or 128 for tokens)")
+    return dims
+
+
+class _ClassesAtDim1(nn.Module):
+    """The model, with a sequence's logits (B, T, C) moved to (B, C, T) for ``F.cross_entropy``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.model(x)
+        if not isinstance(out, torch.Tensor):
+            raise SpecError(f"the model returned {type(out).__name__}, not a tensor of logits: wrap it so that forward "
+                            "returns the logits (classes last)")
+        return out.movedim(-1, 1) if out.dim() > 2 else out
+
+
+def factory(spec: Spec) -> Callable[[], nn.Module]:
+    """A function that builds the model (on the current default device) for a torchvision, wrn or module spec."""
+    if spec.kind == "torchvision":
+        import torchvision
+
+        names = torchvision.models.list_models(module=torchvision.models)
+        if spec.name not in names:
+            raise SpecError(f"torchvision has no classification model {spec.name!r}; e.g. {', '.join(sorted(names)[:8])}, ... "
+                            "(torchvision.models.list_models())")
+        return lambda: torchvision.models.get_model(spec.name, weights=None)
+    if spec.kind == "wrn":
+        try:
+            build_model(spec.name)  # checks the name before anything is built at full size
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+        return lambda: build_model(spec.name)
+    if spec.kind == "module":
+        module_name, _, attr = spec.name.rpartition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as e:
+            raise SpecError(f"model {spec.name!r}: cannot import {attr!r} from {module_name!r} ({e})") from None
+        if not callable(fn):
+            raise SpecError(f"model {spec.name!r}: {attr!r} is not callable; give a function or class that returns an nn.Module")
+        return fn
+    raise SpecError(f"{spec.kind}: models are built by the fairseq step, not here")
+
+
+def build(spec: Spec, device: torch.device | str, seed: int = 0) -> nn.Module:
+    """The model on ``device`` (meta: shapes only, no memory), ready for cross-entropy on its output."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = factory(spec)()
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{spec.name!r} returned {type(model).__name__}, not an nn.Module")
+    return _ClassesAtDim1(model)
+
+
+def batch(model: nn.Module, batch_size: int, input_shape: tuple[int, ...], vocab: int | None, device: torch.device | str,
+          seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random batch and its targets: class ids below the number of classes the model outputs, found by one
+    forward pass on one example (in eval mode and without autograd, so BatchNorm's statistics do not move)."""
+    g = torch.Generator().manual_seed(seed)
+    if vocab:
+        x = torch.randint(0, vocab, (batch_size, *input_shape), generator=g).to(device)
+    else:
+        x = torch.randn((batch_size, *input_shape), generator=g).to(device, dtype)
+    was_training, fastpath = model.training, torch.backends.mha.get_fastpath_enabled()
+    model.eval()
+    # Eval mode would send nn.TransformerEncoder down its inference fast path, whose fake-tensor kernel mixes fake
+    # modes; the training step never takes it.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            out_shape = model(x[:1]).shape
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise SpecError(f"the model does not run on an input of shape {tuple(x.shape[1:])} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0]}); check --input (and --vocab for token ids)") from None
+    finally:
+        model.train(was_training)
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    y = torch.randint(0, out_shape[1], (batch_size, *out_shape[2:]), generator=g).to(device)
+    return x, y

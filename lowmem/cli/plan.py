@@ -1,0 +1,279 @@
+"""``lowmem plan``: which combinations of levers fit a memory budget for any model, and what each costs.
+
+For every combination of precision x checkpointing x activation bits, the largest microbatch whose step fits the
+budget is found by bisection over batch/1, batch/2, ... (the peak falls with the microbatch), each step accounted at
+full size on tensors without values (``lowmem.cli.profile``). Of those that fit, the Pareto set over three costs is
+printed, each with how to apply it:
+
+- **peak bytes**, accounted;
+- **recompute**: the forward FLOPs that checkpointing runs again, counted by ``torch.utils.flop_counter`` on meta,
+  as a fraction of the plain step's FLOPs; the **time** column is that FLOP ratio (an estimate, labelled so: it
+  leaves out microbatching's smaller kernels and packing's passes), or with ``--time`` the measured seconds per
+  step against the plain step's on this machine;
+- **quality risk**: ``exact`` for levers proven exact (checkpointing: tests/test_checkpoint.py; microbatching when
+  the model has no BatchNorm: gradient accumulation of a mean loss), else the sum of the lossy levers' effects
+  measured in this project, each labelled with the task and profile it was measured on, or ``unmeasured``.
+
+Checkpointing cuts the model's chains of blocks (``lowmem.cli.profile.chains``) into segments by the strategy's
+plan (``block``: one block per segment; ``sqrt``: sqrt(n) blocks per segment, Chen et al. 2016).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from lowmem.cli import models
+from lowmem.cli.models import SpecError
+from lowmem.cli.profile import Request, account, chains, step_of
+from lowmem.techniques.step import Techniques
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
+CHECKPOINTS = ("none", "sqrt")
+ACTIVATION_BITS = (0, 8, 2)
+MICROBATCH_STEPS = 6  # microbatches tried: the whole batch, then halves down to 1 example or this many halvings
+ROOT = Path(__file__).parents[2]  # the checkout, whose figures/ hold the measured effects
+
+
+def budget_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648; units KiB/MiB/GiB/TiB (powers of 2) and KB/MB/GB/TB (powers of 10), or B."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)\s*", text)
+    if not m or m.group(2) not in UNITS:
+        raise SpecError(f"budget {text!r} is not a number with a unit: one of {', '.join(UNITS)} (e.g. 4GiB, 512MiB, 1.5GB)")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def microbatches(batch: int, steps: int = MICROBATCH_STEPS) -> list[int]:
+    """0 (the whole batch), then batch/2, batch/4, ... while they divide the batch, at most ``steps`` in all."""
+    out, b = [0], batch
+    while b % 2 == 0 and b > 1 and len(out) < steps:
+        b //= 2
+        out.append(b)
+    return out
+
+
+@dataclass(frozen=True)
+class Levers:
+    """The settings the plan combines (every combination is accounted)."""
+
+    precision: tuple[str, ...] = PRECISIONS
+    checkpoint: tuple[str, ...] = CHECKPOINTS
+    activation_bits: tuple[int, ...] = ACTIVATION_BITS
+    microbatch_steps: int = MICROBATCH_STEPS
+
+
+def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[Techniques]:
+    """Every combination of ``levers`` (the microbatches: ``microbatches``)."""
+    return [Techniques(precision=p, checkpoint=c, microbatch=b, activation_bits=a)
+            for p, c, b, a in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
+                                                microbatches(req.batch, levers.microbatch_steps), levers.activation_bits)]
+
+
+# --- quality risk: what this project measured of each lossy lever ----------------------------------------------
+
+
+def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]:
+    """(lever, setting) -> {change, low, high, n, where} from the committed results: WRN's lossy levers alone
+    (figures/09_wrn_levers.csv, stage combinations) and the compressed activations (metrics/levers_train.json)."""
+    effects: dict[tuple[str, Any], dict[str, Any]] = {}
+    levers = root / "figures" / "09_wrn_levers.csv"
+    combos = root / "metrics" / "combinations.json"
+    where = "WRN accuracy points"
+    if combos.exists():
+        where += f", profile {json.loads(combos.read_text())['profile'].get('wrn', '?')}"
+    if levers.exists():
+        for r in pd.read_csv(levers).itertuples():
+            key = _lever(r.name)
+            if key:
+                effects[key] = {"change": r.quality_change, "low": r.quality_low, "high": r.quality_high,
+                                "n": int(r.quality_n), "where": where}
+    arms = root / "metrics" / "levers_train.json"
+    if arms.exists():
+        res = json.loads(arms.read_text())
+        base = res["arms"]["baseline"]["per_seed_acc"]
+        for name, arm in res["arms"].items():
+            bits = arm["techniques"].get("activation_bits")
+            if bits and set(arm["techniques"]) == {"activation_bits"}:
+                d = [100 * (a - b) for a, b in zip(arm["per_seed_acc"], base)]
+                mean = sum(d) / len(d)
+                half = _t95(len(d)) * (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
+                effects[("activation_bits", bits)] = {"change": mean, "low": mean - half, "high": mean + half,
+                                                      "n": len(d), "where": f"WRN accuracy points, profile {res['profile']}"}
+    return effects
+
+
+def _t95(n: int) -> float:
+    from scipy import stats  # scipy: pandas' and seaborn's own dependency
+    return float(stats.t.ppf(0.975, n - 1))
+
+
+def _lever(name: str) -> tuple[str, Any] | None:
+    if name.startswith("microbatch-"):
+        return ("microbatch", int(name.split("-")[1]))
+    if name in PRECISIONS:
+        return ("precision", name)
+    return None
+
+
+def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]]) -> tuple[float, str]:
+    """(predicted change, its label): 0 and 'exact' when every lever on is exact; else the sum of the lossy levers'
+    measured effects (NaN when one is unmeasured) and a label naming each."""
+    lossy = []
+    if tech.precision != "fp32":
+        lossy.append(("precision", tech.precision))
+    if tech.microbatch and has_batchnorm:
+        lossy.append(("microbatch", tech.microbatch))
+    if tech.activation_bits:
+        lossy.append(("activation_bits", tech.activation_bits))
+    if not lossy:
+        return 0.0, "exact"
+    total, parts = 0.0, []
+    for key in lossy:
+        e = effects.get(key)
+        label = f"{key[0]}={key[1]}"
+        if e is None:
+            total = math.nan
+            parts.append(f"{label}: unmeasured")
+        else:
+            total += e["change"]
+            parts.append(f"{label}: {e['change']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}] ({e['where']}, {e['n']} seeds)")
+    return total, "; ".join(parts)
+
+
+# --- recompute ---------------------------------------------------------------------------------------------------
+
+
+def step_flops(req: Request, checkpoint: str) -> int:
+    """FLOPs of one fp32 step with ``checkpoint`` (torch.utils.flop_counter, on meta)."""
+    step, *_ = step_of(req, Techniques(checkpoint=checkpoint), "meta")
+    with FlopCounterMode(display=False) as counter:
+        step(lambda _: None)
+    return counter.get_total_flops()
+
+
+def step_seconds(req: Request, tech: Techniques, repeats: int = 2) -> float:
+    """Median seconds of a real step on the CPU, after a warm-up step."""
+    step, *_ = step_of(req, tech, "cpu")
+    step(lambda _: None)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step(lambda _: None)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+# --- the plan ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    budget: int
+    rows: pd.DataFrame  # every accounted configuration
+    fitting: pd.DataFrame  # the Pareto set of those that fit
+    timed: bool
+
+
+def how_to_apply(tech: Techniques) -> str:
+    fields = {f.name: getattr(tech, f.name) for f in dataclasses.fields(tech)
+              if f.name in ("precision", "microbatch", "checkpoint", "activation_bits")
+              and getattr(tech, f.name) != getattr(Techniques(), f.name)}
+    call = "Techniques(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+    if tech.checkpoint != "none":
+        call += f" with lowmem.cli.profile.checkpoint_chains(model, {tech.checkpoint!r})"
+    return call
+
+
+def pareto(df: pd.DataFrame) -> pd.Series:
+    """True where no other row is at least as good in peak, recompute and quality risk, and better in one."""
+    pts = df[["peak_bytes", "time", "risk_key"]].to_numpy(dtype=float)
+    return pd.Series([not any((q <= p).all() and (q < p).any() for j, q in enumerate(pts) if j != i)
+                      for i, p in enumerate(pts)], index=df.index)
+
+
+def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: bool = False,
+              max_loss: float | None = None, progress: bool = True, root: Path = ROOT, levers: Levers = Levers()) -> Plan:
+    """Accounts the grid for ``req``, keeps what fits ``budget`` bytes (and the quality filters), and its Pareto set.
+    Raises SpecError, naming the smallest peak reachable, when nothing fits."""
+    if req.spec.kind == "fairseq":
+        raise SpecError("lowmem plan takes torchvision, wrn and module models; for a fairseq architecture, "
+                        "`lowmem profile` accounts it, and the DynamicConv grid (README, 'Combinations') shows its levers as flags")
+    model = models.build(req.spec, "meta")
+    has_chains = bool(chains(model))
+    has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
+    effects = measured_effects(root)
+    flops = {c: step_flops(req, c) for c in {"none", *(levers.checkpoint if has_chains else ())}}
+    def row(tech: Techniques) -> dict[str, Any]:
+        b, B = tech.microbatch, req.batch
+        r = account(req, tech, examples=3 * b if b and B // b > 3 else None)
+        change, label = risk(tech, has_bn, effects)
+        return {"precision": tech.precision, "checkpoint": tech.checkpoint, "microbatch": b or B,
+                "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
+                "peak_bytes": r.peak, "peak_phase": r.peak_phase,
+                "recompute": (flops[tech.checkpoint] - flops["none"]) / flops["none"],
+                "time": flops[tech.checkpoint] / flops["none"], "time_source": "estimated (FLOP ratio)",
+                "predicted_change": change, "quality_risk": label, "how_to_apply": how_to_apply(tech), "tech": tech}
+
+    # Per setting of the other levers, the largest microbatch that fits (microbatching costs time the FLOP ratio
+    # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
+    rows: list[dict[str, Any]] = []
+    sizes = microbatches(req.batch, levers.microbatch_steps)
+    settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
+    for base in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+        seen: dict[int, dict[str, Any]] = {}
+
+        def fits(i: int) -> bool:
+            if i not in seen:
+                seen[i] = row(dataclasses.replace(base, microbatch=sizes[i]))
+                rows.append(seen[i])
+            return seen[i]["peak_bytes"] <= budget
+
+        lo, hi = 0, len(sizes) - 1
+        if fits(hi):
+            while lo < hi:  # the first index that fits, sizes[] running from the whole batch down
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            seen[hi]["largest_fitting"] = True
+    df = pd.DataFrame(rows)
+    # Exact first, then the smallest predicted loss; an unmeasured lever ranks below every measured one.
+    df["risk_key"] = df.predicted_change.map(lambda c: math.inf if math.isnan(c) else -c)
+    ok = df[df.get("largest_fitting", pd.Series(False, index=df.index)).fillna(False).astype(bool)]
+    if exact_only:
+        ok = ok[ok.quality_risk == "exact"]
+    if max_loss is not None:  # an unmeasured lever's loss is unknown, so it does not pass
+        ok = ok[ok.predicted_change >= -max_loss]
+    if ok.empty:
+        best = df.sort_values("peak_bytes").iloc[0]
+        raise SpecError(f"no configuration fits {budget / 2**30:.3f} GiB{' with the filters given' if len(df[df.peak_bytes <= budget]) else ''}: "
+                        f"the smallest peak is {best.peak_bytes / 2**30:.3f} GiB, with {best['how_to_apply']}")
+    front = ok[pareto(ok)].copy()
+    if time_steps:
+        base = step_seconds(req, Techniques())
+        front["time"] = [step_seconds(req, t) / base for t in front.tech]
+        front["time_source"] = "measured (CPU, against the plain step)"
+    return Plan(budget, df, front.sort_values(["peak_bytes"]).reset_index(drop=True), time_steps)
+
+
+def table(plan: Plan) -> str:
+    """The fitting Pareto set as Markdown."""
+    t = plan.fitting.assign(peak_gib=plan.fitting.peak_bytes / 2**30)
+    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "recompute", "time", "time_source",
+            "quality_risk", "how_to_apply"]
+    return t[cols].round(4).to_markdown(index=False)

@@ -1,0 +1,212 @@
+"""``lowmem profile``: the peak memory of one training step of any model, by category, at full size on tensors
+without values (fake CPU tensors, or the meta device); with ``measure``, the same step run for real on the CPU and
+the accountant's gap to PyTorch's own count.
+
+The step is the project's (``lowmem.techniques.step.train_step``: forward, cross-entropy, backward, optimizer step)
+under a ``Techniques`` configuration, so ``lowmem plan`` accounts the levers on the same step; a fairseq
+architecture takes fairseq-train's own update instead (``lowmem.dynamicconv.memory``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lowmem.cli import models
+from lowmem.cli.models import Spec, SpecError
+from lowmem.memory.accounting import MemoryReport, Workspace, account_step
+from lowmem.memory.measure import CPUWorkspace, measure_step
+from lowmem.techniques import optimizers, precision
+from lowmem.techniques.checkpoint import CheckpointedChain, plan
+from lowmem.techniques.step import Techniques, train_step
+
+# The optimizers a step can take: torch's, with their usual hyperparameters (bytes do not depend on them), and the
+# project's Kahan-compensated SGD (lowmem.techniques.optimizers).
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+    "adafactor": lambda ps: torch.optim.Adafactor(ps),
+}
+FAIRSEQ_OPTIMIZERS = {"sgd": "sgd", "sgd-momentum": "nag", "adam": "adam", "adafactor": "adafactor"}  # fairseq's names
+# Module types whose step the accountant does not count exactly, with why (README, "Your own model", has the
+# measured gaps and the command that measures them). lowmem profile names them in its output.
+KNOWN_GAPS: dict[str, tuple[type[nn.Module], str]] = {
+    "nn.LSTM": (nn.LSTM, "on the CPU an LSTM trains through oneDNN's recurrent kernel (mkldnn_rnn_layer), whose "
+                "kernel for tensors without values returns a workspace of another size than the real one, and the "
+                "real kernel allocates scratch that no tensor holds; the account is below the real peak "
+                "(lowmem profile ... --measure shows by how much)"),
+}
+CHAIN_MIN = 2  # an nn.Sequential of at least this many children is a chain of blocks that checkpointing can cut (ResNet-18: 2 per stage)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One training step to account: the model, its batch and its optimizer."""
+
+    model: str  # a spec of lowmem.cli.models: torchvision:resnet50, wrn:wrn-28-2, fairseq:ARCH, pkg.mod:factory
+    batch: int = 1  # examples per step (fairseq: sentences; see ``tokens``)
+    input: tuple[int, ...] = ()  # one example's shape, e.g. (3, 224, 224); token ids: (length,) with ``vocab``
+    optimizer: str = "sgd-momentum"
+    vocab: int | None = None  # token models: ids drawn below this; fairseq: both dictionaries' size
+    tokens: int | None = None  # fairseq: tokens per batch (--max-tokens); default batch x length
+
+    def __post_init__(self) -> None:
+        spec = models.parse(self.model)
+        allowed = FAIRSEQ_OPTIMIZERS if spec.kind == "fairseq" else {**OPTIMIZERS, **dict.fromkeys(optimizers.OPTIMIZERS[1:])}
+        if self.optimizer not in allowed:
+            raise SpecError(f"optimizer {self.optimizer!r} is not one of {', '.join(allowed)}"
+                            f"{' (for a fairseq model)' if spec.kind == 'fairseq' else ''}")
+        if not isinstance(self.batch, int) or self.batch < 1:
+            raise SpecError(f"batch {self.batch!r} must be a positive integer")
+        if spec.kind == "fairseq" and (len(self.input) != 1 or not self.vocab):
+            raise SpecError("a fairseq model needs --input LENGTH (tokens per sentence) and --vocab SIZE")
+        if spec.kind != "fairseq" and not self.input:
+            raise SpecError("give one example's shape with --input, e.g. 3x224x224 (or a length with --vocab for token ids)")
+
+    @property
+    def spec(self) -> Spec:
+        return models.parse(self.model)
+
+
+def gap_notes(model: nn.Module) -> list[str]:
+    """One line per module type of ``KNOWN_GAPS`` in ``model``: what the account misses there, and why."""
+    return [f"not exact for {name}: {why}" for name, (kind, why) in KNOWN_GAPS.items()
+            if any(isinstance(m, kind) for m in model.modules())]
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name in OPTIMIZERS:
+        return OPTIMIZERS[name](model.parameters())
+    return optimizers.make(model.parameters(), name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
+
+
+class _HostScalars(TorchDispatchMode):
+    """Gives ``.item()`` of a tensor without values (meta, fake) the value 1. Adafactor reads norms and its step
+    count as Python numbers, which such a tensor has not; they scale the update but allocate nothing, so the bytes
+    are those of a real step (tests/test_cli.py checks Adafactor's account against the real tensors')."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default and not _has_values(args[0]):
+            return 1.0 if args[0].is_floating_point() else 1
+        return func(*args, **(kwargs or {}))
+
+
+def chains(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
+    """The model's chains of blocks: each outermost ``nn.Sequential`` of at least ``CHAIN_MIN`` children, as
+    (parent, attribute, chain). A torchvision ResNet has four (layer1-4), a ViT one (encoder.layers)."""
+    found: list[tuple[nn.Module, str, nn.Sequential]] = []
+
+    def visit(parent: nn.Module) -> None:
+        for name, child in parent.named_children():
+            if isinstance(child, nn.Sequential) and len(child) >= CHAIN_MIN:
+                found.append((parent, name, child))
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+def checkpoint_chains(model: nn.Module, spec: str) -> int:
+    """Checkpoints every chain of ``chains`` with strategy ``spec`` (lowmem.techniques.checkpoint), in place;
+    returns how many chains there were."""
+    found = chains(model)
+    if spec != "none":
+        for parent, name, chain in found:
+            setattr(parent, name, CheckpointedChain(chain, plan(spec, len(chain))))
+    return len(found)
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+def step_of(req: Request, tech: Techniques, device: torch.device | str, examples: int | None = None,
+            model: nn.Module | None = None) -> tuple[Callable[[Callable[[str], None]], Any], nn.Module, Any, tuple[torch.Tensor, ...]]:
+    """(step, model, optimizer, batch) of one training step of ``req`` under ``tech`` on ``device`` (``model``:
+    already built there, in ``tech``'s precision)."""
+    prec = precision.parse(tech.precision)
+    if model is None:
+        model = precision.prepare(models.build(req.spec, device), prec)
+    checkpoint_chains(model, tech.checkpoint)
+    # A float batch in the model's dtype (16-bit in half mode; autocast casts it itself in mixed mode).
+    x, y = models.batch(model, req.batch, req.input, req.vocab, device, dtype=prec.dtype if prec.kind == "half" else torch.float32)
+    opt = make_optimizer(req.optimizer, model)
+    scaler = precision.make_scaler(prec, torch.device(device).type, sync=False)
+
+    def step(mark: Callable[[str], None]) -> None:
+        with _HostScalars() if not _has_values(x) else nullcontext():
+            train_step(model, opt, x[:examples], y[:examples], tech, mark, scaler)
+
+    return step, model, opt, (x, y)
+
+
+def _fairseq_args(req: Request, tech: Techniques) -> list[str]:
+    if tech != Techniques():
+        raise SpecError("a fairseq model takes the levers as fairseq-train flags (lowmem plan prints them), not a Techniques")
+    return ["--arch", req.spec.name, "--task", "translation", "--criterion", "label_smoothed_cross_entropy",
+            "--optimizer", FAIRSEQ_OPTIMIZERS[req.optimizer], "--lr", "0.0005", "--max-tokens", str(_tokens(req))]
+
+
+def _tokens(req: Request) -> int:
+    return req.tokens or req.batch * req.input[0]
+
+
+SHAPES = ("cpu", "meta")  # what a step is accounted on: fake CPU tensors, or the meta device
+
+
+def _shapes(shapes: str, tech: Techniques) -> tuple[Any, torch.device]:
+    """(context, device) of tensors with shapes and dtypes only. Fake CPU tensors by default: an op's CPU kernel
+    and its meta kernel may save different tensors for backward (attention: the CPU's flash kernel keeps a
+    log-sum-exp, the meta device's math path the whole attention matrix), and on fake CPU tensors PyTorch picks
+    the CPU's kernel, as the real step does. Mixed precision needs them anyway (autocast acts on a device type)."""
+    if shapes not in SHAPES:
+        raise SpecError(f"shapes={shapes!r} is not one of {', '.join(SHAPES)}")
+    if shapes == "cpu" or precision.parse(tech.precision).kind == "mixed":
+        return FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
+    return nullcontext(), torch.device("meta")
+
+
+def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace | None = None, examples: int | None = None,
+            shapes: str = "cpu") -> MemoryReport:
+    """The accounted report of one step at full size, on tensors of shapes only (``_shapes``: fake CPU tensors, or
+    the meta device).
+    ``workspace`` adds each op's internal scratch (``lowmem.memory.measure.CPUWorkspace``). ``examples``: step on
+    the batch's first examples only, which ``lowmem.cli.plan`` uses to follow microbatches 1, 2 and the last one
+    of a long accumulation (the others repeat microbatch 2's memory, as ``lowmem.wrn.memory`` explains)."""
+    if req.spec.kind == "fairseq":
+        from lowmem.dynamicconv import memory as fairseq_memory  # fairseq is imported only for a fairseq model
+        return fairseq_memory.account(_fairseq_args(req, tech), req.vocab, req.vocab, _tokens(req), req.input[0])
+    # Built on meta first: a model that deep-copies its layers (nn.TransformerEncoder) would copy fake tensors
+    # into a fake mode of their own, which PyTorch cannot mix.
+    model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
+    ctx, device = _shapes(shapes, tech)
+    with ctx:
+        if device.type != "meta":
+            model.to_empty(device=device)
+        step, model, opt, batch = step_of(req, tech, device, examples, model)
+        return account_step(step, model, opt, batch, workspace=workspace)
+
+
+def measure(req: Request, tech: Techniques = Techniques()) -> tuple[MemoryReport, int | None]:
+    """(``account``'s report with the step's peak measured on the CPU beside it (``lowmem.memory.measure``), the
+    account with each op's CPU workspace added, where the step is not fairseq's)."""
+    report, with_workspace = account(req, tech), None
+    if req.spec.kind == "fairseq":
+        from lowmem.dynamicconv import memory as fairseq_memory
+        peak, method = fairseq_memory.measure(_fairseq_args(req, tech), req.vocab, req.vocab, _tokens(req), req.input[0])
+    else:
+        step, model, opt, batch = step_of(req, tech, "cpu")
+        peak, method = measure_step(step, model, opt, batch)
+        with_workspace = account(req, tech, workspace=CPUWorkspace()).peak
+    return dataclasses.replace(report, measured_peak=peak, measured_method=method), with_workspace

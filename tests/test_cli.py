@@ -1,0 +1,133 @@
+"""`lowmem profile` and `lowmem plan` (lowmem.cli): the accountant on models no one here wrote, against the real
+tensors' account and PyTorch's profiler; the budget's units; the plan's filters and Pareto set; bad input."""
+
+import pytest
+import torch
+
+from lowmem.cli import main, models, plan, profile
+from lowmem.cli.models import SpecError
+from lowmem.cli.profile import Request
+from lowmem.memory.accounting import account_step
+from lowmem.techniques.step import Techniques
+
+# Families the accountant counts exactly at a small size, and a token-id input where it takes one.
+EXACT_FAMILIES = {
+    "residual CNN": Request("torchvision:resnet18", 4, (3, 32, 32), "adamw"),
+    "depthwise + squeeze-excitation CNN": Request("torchvision:mobilenet_v3_small", 4, (3, 32, 32), "adamw"),
+    "1-d convolutions": Request("lowmem.cli.examples:conv1d", 4, (8, 128), "adam"),
+    "attention (nn.TransformerEncoder, embeddings)": Request("lowmem.cli.examples:transformer", 4, (32,), "adamw", vocab=1000),
+    "recurrent (nn.GRU)": Request("lowmem.cli.examples:gru", 4, (32,), "adam", vocab=1000),
+}
+
+
+def _real_account(req: Request, tech: Techniques = Techniques()) -> int:
+    step, model, opt, batch = profile.step_of(req, tech, "cpu")
+    return account_step(step, model, opt, batch).peak
+
+
+@pytest.mark.parametrize("family", sorted(EXACT_FAMILIES))
+def test_meta_account_equals_the_real_tensor_account_and_the_profiler(family):
+    req = EXACT_FAMILIES[family]
+    report, with_workspace = profile.measure(req)
+    assert report.peak == _real_account(req)
+    # The CPU's op workspace (oneDNN's scratch) is the rest: with it the account is the profiler's peak within 2%.
+    assert abs(with_workspace - report.measured_peak) <= 0.02 * report.measured_peak
+
+
+def test_an_lstm_is_named_as_not_exact_and_really_is_not():
+    req = Request("lowmem.cli.examples:lstm", 4, (32,), "adam", vocab=1000)
+    notes = profile.gap_notes(models.build(req.spec, "meta"))
+    assert len(notes) == 1 and "nn.LSTM" in notes[0]
+    assert profile.account(req).peak != _real_account(req)  # the gap the note names is real
+    assert profile.gap_notes(models.build(EXACT_FAMILIES["residual CNN"].spec, "meta")) == []
+
+
+def test_attention_is_accounted_on_fake_cpu_tensors_not_meta():
+    # The meta device's attention saves the whole attention matrix; the CPU's flash kernel does not. Fake CPU
+    # tensors take the CPU's kernel, as the real step does.
+    req = EXACT_FAMILIES["attention (nn.TransformerEncoder, embeddings)"]
+    assert profile.account(req).peak == _real_account(req) != profile.account(req, shapes="meta").peak
+
+
+def test_adafactor_is_accounted_on_meta_as_on_real_tensors():
+    req = Request("torchvision:resnet18", 4, (3, 32, 32), "adafactor")
+    assert profile.account(req).peak == _real_account(req)
+
+
+@pytest.mark.parametrize("tech", [Techniques(precision="half-bf16"), Techniques(checkpoint="block"),
+                                  Techniques(microbatch=2), Techniques(activation_bits=4)])
+def test_levers_are_accounted_on_meta_as_on_real_tensors(tech):
+    req = EXACT_FAMILIES["residual CNN"]
+    assert profile.account(req, tech).peak == _real_account(req, tech)
+
+
+def test_checkpointing_finds_the_chains_of_blocks():
+    assert [name for _, name, _ in profile.chains(models.build(models.parse("torchvision:resnet50"), "meta"))] == \
+        ["layer1", "layer2", "layer3", "layer4"]
+    assert [name for _, name, _ in profile.chains(models.build(models.parse("torchvision:vit_b_16"), "meta"))] == ["layers"]
+    req = EXACT_FAMILIES["residual CNN"]
+    assert profile.account(req, Techniques(checkpoint="block")).category_max["activations"] < \
+        profile.account(req).category_max["activations"]
+
+
+@pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),
+                                           ("64KB", 64_000), ("100B", 100)])
+def test_budget_units(text, expected):
+    assert plan.budget_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["4", "4 gigs", "GiB", "-1GiB", "4gib"])
+def test_a_bad_budget_names_the_units(text):
+    with pytest.raises(SpecError, match="KiB, MiB, GiB"):
+        plan.budget_bytes(text)
+
+
+SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "block"), activation_bits=(0, 4), microbatch_steps=2)
+
+
+def test_plan_keeps_what_fits_and_its_pareto_set():
+    req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
+    full = profile.account(req).peak
+    p = plan.make_plan(req, full // 2, progress=False, levers=SMALL)
+    assert (p.fitting.peak_bytes <= full // 2).all() and len(p.fitting) >= 1
+    # Each fitting row's microbatch is the largest that fits: twice as large does not (or it is the whole batch).
+    for r in p.fitting.itertuples():
+        if r.microbatch < req.batch:
+            larger = Techniques(precision=r.precision, checkpoint=r.checkpoint, activation_bits=r.tech.activation_bits,
+                                microbatch=0 if 2 * r.microbatch == req.batch else 2 * r.microbatch)
+            assert profile.account(req, larger).peak > full // 2
+    # Pareto: no fitting row is at least as good as another in all three costs and better in one.
+    pts = p.fitting[["peak_bytes", "time", "risk_key"]].to_numpy()
+    assert not any((q <= r).all() and (q < r).any() for i, r in enumerate(pts) for j, q in enumerate(pts) if i != j)
+    # Every row's peak is the account of its configuration.
+    row = p.fitting.iloc[0]
+    assert profile.account(req, row.tech).peak == row.peak_bytes
+    exact = plan.make_plan(req, full, exact_only=True, progress=False, levers=SMALL).fitting
+    assert set(exact.quality_risk) == {"exact"} and set(exact.precision) == {"fp32"}
+
+
+def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
+    req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
+    with pytest.raises(SpecError, match=r"the smallest peak is .* GiB, with Techniques\("):
+        plan.make_plan(req, 1000, progress=False, levers=SMALL)
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["profile", "torchvision:resnet5", "--input", "3x32x32"], "torchvision has no classification model 'resnet5'"),
+    (["profile", "resnet50", "--input", "3x32x32"], "write KIND:NAME"),
+    (["profile", "torchvision:resnet18", "--input", "3xa"], "is not positive integers joined by x"),
+    (["profile", "torchvision:resnet18", "--input", "3x32x32", "--optimizer", "lion"], "is not one of sgd, sgd-momentum"),
+    (["profile", "torchvision:resnet18", "--input", "3x4x4"], "the training step fails on this model and input"),
+    (["plan", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--budget", "1KiB"], "no configuration fits"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
+    assert main.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_profile_prints_the_breakdown(capsys):
+    assert main.main(["profile", "torchvision:resnet18", "--batch", "4", "--input", "3x32x32", "--optimizer", "adamw"]) == 0
+    out = capsys.readouterr().out
+    req = Request("torchvision:resnet18", 4, (3, 32, 32), "adamw")
+    assert f"**{profile.account(req).peak / 2**20:.2f}**" in out and "| optimizer |" in out
