@@ -102,13 +102,16 @@ class _HostScalars(TorchDispatchMode):
 
 
 def chains(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
-    """The model's chains of blocks: each outermost ``nn.Sequential`` of at least ``CHAIN_MIN`` children, as
-    (parent, attribute, chain). A torchvision ResNet has four (layer1-4), a ViT one (encoder.layers)."""
+    """The model's chains of blocks: each outermost ``nn.Sequential`` of at least ``CHAIN_MIN`` children that all
+    hold parameters, as (parent, attribute, chain). A torchvision ResNet has four (layer1-4), a ViT one
+    (encoder.layers). A Sequential with parameter-free children (an in-place activation, dropout) is not cut: an
+    in-place op would modify the input a segment keeps for its recomputation (MobileNetV3's classifier)."""
     found: list[tuple[nn.Module, str, nn.Sequential]] = []
 
     def visit(parent: nn.Module) -> None:
         for name, child in parent.named_children():
-            if isinstance(child, nn.Sequential) and len(child) >= CHAIN_MIN:
+            if isinstance(child, nn.Sequential) and len(child) >= CHAIN_MIN and \
+                    all(any(True for _ in block.parameters()) for block in child):
                 found.append((parent, name, child))
             else:
                 visit(child)
