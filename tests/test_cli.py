@@ -2,7 +2,6 @@
 tensors' account and PyTorch's profiler; the budget's units; the plan's filters and Pareto set; bad input."""
 
 import pytest
-import torch
 
 from lowmem.cli import main, models, plan, profile
 from lowmem.cli.models import SpecError

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm

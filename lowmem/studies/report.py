@@ -157,7 +157,7 @@ def reading(r: Report) -> str:
     """What the headline says, per task, and how far the grid went (Markdown)."""
     lines = []
     for row in comparison(r).itertuples():
-        who = f"**{row.task}**, {row.levers} levers, {row.rule} rule"
+        who = f"**{row.task}**, {row.levers} levers, {'both rules' if row.rule == 'both' else f'{row.rule} rule'}"
         if row.our_config.startswith("none trained"):
             lines.append(f"- {who}: {row.our_config}.")
             continue
