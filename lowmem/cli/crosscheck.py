@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from lowmem.cli import models
-from lowmem.cli.profile import Request, account, step_of
+from lowmem.cli.profile import Request, account, chains, step_of
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.techniques import precision
 from lowmem.techniques.step import Techniques
@@ -68,17 +68,12 @@ def table() -> Any:
     rows = []
     for family, req in FAMILIES.items():
         for ckpt in ("none", "sqrt"):
-            if ckpt != "none" and not profile_chains(req):
+            if ckpt != "none" and not chains(models.build(req.spec, "meta")):
                 continue
             r = memtracker(req, Techniques(checkpoint=ckpt))
             rows.append({"family": family, "checkpoint": ckpt, **{k: (v / 2**20 if isinstance(v, int) else v)
                                                                 for k, v in r.items()}})
     return pd.DataFrame(rows)
-
-
-def profile_chains(req: Request) -> bool:
-    from lowmem.cli.profile import chains
-    return bool(chains(models.build(req.spec, "meta")))
 
 
 CAPTION = ("The accountant against PyTorch's MemTracker (torch.distributed._tools.mem_tracker), one training step "

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from lowmem.cli import models
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, chains, step_of
+from lowmem.studies.frontier import beyond_rows
 from lowmem.techniques.step import Techniques
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -100,24 +101,13 @@ def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]
             if key:
                 effects[key] = {"change": r.quality_change, "low": r.quality_low, "high": r.quality_high,
                                 "n": int(r.quality_n), "where": where}
-    arms = root / "metrics" / "levers_train.json"
-    if arms.exists():
-        res = json.loads(arms.read_text())
-        base = res["arms"]["baseline"]["per_seed_acc"]
-        for name, arm in res["arms"].items():
-            bits = arm["techniques"].get("activation_bits")
-            if bits and set(arm["techniques"]) == {"activation_bits"}:
-                d = [100 * (a - b) for a, b in zip(arm["per_seed_acc"], base)]
-                mean = sum(d) / len(d)
-                half = _t95(len(d)) * (sum((x - mean) ** 2 for x in d) / (len(d) - 1)) ** 0.5 / len(d) ** 0.5
-                effects[("activation_bits", bits)] = {"change": mean, "low": mean - half, "high": mean + half,
-                                                      "n": len(d), "where": f"WRN accuracy points, profile {res['profile']}"}
+    for r in beyond_rows(root / "metrics").itertuples():
+        tech = json.loads(r.config)
+        if set(tech) == {"activation_bits"}:  # the lever alone, against the baseline trained beside it
+            effects[("activation_bits", tech["activation_bits"])] = {
+                "change": r.quality_change, "low": r.quality_low, "high": r.quality_high, "n": int(r.quality_n),
+                "where": f"WRN accuracy points, profile {r.profile}"}
     return effects
-
-
-def _t95(n: int) -> float:
-    from scipy import stats  # scipy: pandas' and seaborn's own dependency
-    return float(stats.t.ppf(0.975, n - 1))
 
 
 def _lever(name: str) -> tuple[str, Any] | None:

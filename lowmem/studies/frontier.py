@@ -164,15 +164,11 @@ def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
     res = json.loads(path.read_text())
     arms, seeds = res["arms"], res["seeds"]
     base = arms["baseline"]
-
-    def by_seed(arm: dict[str, Any]) -> dict[int, float]:
-        return {s: 100 * a for s, a in zip(seeds, arm["per_seed_acc"])}
-
     rows = []
     for name, arm in arms.items():
         if not beyond_paper(arm["techniques"]):
             continue
-        c = quality.paired(quality.seed_pairs(by_seed(arm), by_seed(base)))
+        c = paired_change({"seeds": seeds, **arm}, {"seeds": seeds, **base})
         rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
                      **{k: v for k, v in arm["memory"].items()},
                      "reduction": base["memory"]["total_mib"] / arm["memory"]["total_mib"],

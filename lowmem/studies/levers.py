@@ -34,6 +34,7 @@ from lowmem.config import ParamError
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
 from lowmem.studies.combinations import CombinationsParams, resolve_task, wrn_shape
+from lowmem.studies.quality_model import paired_change
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.params import BaselineParams
@@ -105,8 +106,7 @@ def table(res: dict[str, Any], study: str) -> pd.DataFrame:
 
 def change(res: dict[str, Any], arm: str, against: str) -> quality.Paired:
     """``arm``'s accuracy change in points against ``against``, paired by seed."""
-    by_seed = {n: {s: 100 * a for s, a in zip(res["seeds"], res["arms"][n]["per_seed_acc"])} for n in (arm, against)}
-    return quality.paired(quality.seed_pairs(by_seed[arm], by_seed[against]))
+    return paired_change({"seeds": res["seeds"], **res["arms"][arm]}, {"seeds": res["seeds"], **res["arms"][against]})
 
 
 def caption(res: dict[str, Any]) -> str:
