@@ -96,9 +96,13 @@ def test_dropout_draws_the_same_mask_when_recomputed(spec: str) -> None:
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
-def _brute_force(costs: list[BlockCost], max_recompute: float) -> int:
+def _brute_force(costs: list[BlockCost], max_recompute: float, forced: tuple[int, ...] = ()) -> int:
+    """The least modelled memory of every segmentation (cut after each block or not; ``forced``: blocks after
+    which a cut is always made, the ends of chains)."""
     n, best = len(costs), None
     for cuts in itertools.product([False, True], repeat=n - 1):
+        if not all(cuts[i - 1] for i in forced):
+            continue
         bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
         spans = list(zip(bounds, bounds[1:]))
         for flags in itertools.product([False, True], repeat=len(spans)):
@@ -123,6 +127,23 @@ def test_the_planner_matches_brute_force_on_small_chains(trial: int) -> None:
         mem, rec = checkpoint.modelled(costs, segs)
         assert rec <= frac * total
         assert mem == _brute_force(costs, frac * total)
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_the_planner_over_several_chains_never_crosses_a_chain_and_matches_brute_force(trial: int) -> None:
+    rng = random.Random(100 + trial)
+    lengths = [3, 2, 2]
+    costs = [BlockCost(x, x + rng.randint(0, 60), rng.randint(1, 10)) for x in (rng.randint(1, 20) for _ in range(7))]
+    total = sum(c.flops for c in costs)
+    for frac in (0.0, 0.3, 0.6, 1.0):
+        segs = checkpoint.optimal(costs, max_recompute=frac * total, lengths=lengths)
+        assert all(not (s < 3 < e or s < 5 < e) for s, e, _ in segs)  # no segment spans two chains
+        per_chain = checkpoint.split(segs, lengths)
+        assert [sum(e - s for s, e, _ in c) for c in per_chain] == lengths and per_chain[1][0][0] == 0
+        mem, rec = checkpoint.modelled(costs, segs)
+        assert rec <= frac * total
+        assert mem == _brute_force(costs, frac * total, forced=(3, 5))
+        assert mem >= checkpoint.modelled(costs, checkpoint.optimal(costs, max_recompute=frac * total))[0]
 
 
 def test_the_memory_budget_form_picks_the_least_recompute_that_fits() -> None:

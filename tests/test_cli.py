@@ -1,12 +1,16 @@
 """`lowmem profile` and `lowmem plan` (lowmem.cli): the accountant on models no one here wrote, against the real
 tensors' account and PyTorch's profiler; the budget's units; the plan's filters and Pareto set; bad input."""
 
+from pathlib import Path
+
 import pytest
+import yaml
 
 from lowmem.cli import main, models, plan, profile
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request
 from lowmem.memory.accounting import account_step
+from lowmem.techniques import checkpoint
 from lowmem.techniques.step import Techniques
 
 # Families the accountant counts exactly at a small size, and a token-id input where it takes one.
@@ -83,7 +87,7 @@ def test_a_bad_budget_names_the_units(text):
         plan.budget_bytes(text)
 
 
-SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "block"), activation_bits=(0, 4), microbatch_steps=2)
+SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "planned"), activation_bits=(0, 4), microbatch_steps=2)
 
 
 def test_plan_keeps_what_fits_and_its_pareto_set():
@@ -94,17 +98,39 @@ def test_plan_keeps_what_fits_and_its_pareto_set():
     # Each fitting row's microbatch is the largest that fits: twice as large does not (or it is the whole batch).
     for r in p.fitting.itertuples():
         if r.microbatch < req.batch:
-            larger = Techniques(precision=r.precision, checkpoint=r.checkpoint, activation_bits=r.tech.activation_bits,
+            larger = Techniques(precision=r.precision, activation_bits=r.tech.activation_bits,
                                 microbatch=0 if 2 * r.microbatch == req.batch else 2 * r.microbatch)
-            assert profile.account(req, larger).peak > full // 2
+            if r.checkpoint == "none":
+                assert profile.account(req, larger).peak > full // 2
     # Pareto: no fitting row is at least as good as another in all three costs and better in one.
     pts = p.fitting[["peak_bytes", "time", "risk_key"]].to_numpy()
     assert not any((q <= r).all() and (q < r).any() for i, r in enumerate(pts) for j, q in enumerate(pts) if i != j)
-    # Every row's peak is the account of its configuration.
-    row = p.fitting.iloc[0]
-    assert profile.account(req, row.tech).peak == row.peak_bytes
+    # Every row's peak is the account of its configuration, its checkpoint placement included.
+    for row in p.fitting.itertuples():
+        assert profile.account(req, row.tech, segments=row.segments).peak == row.peak_bytes
     exact = plan.make_plan(req, full, exact_only=True, progress=False, levers=SMALL).fitting
     assert set(exact.quality_risk) == {"exact"} and set(exact.precision) == {"fp32"}
+
+
+def test_the_planned_placement_is_the_least_recompute_that_fits():
+    # WRN-16-2 at a budget between the plain step's peak and the most checkpointed step's: some checkpointing is
+    # needed, and the placement is where the DP's front starts to fit by the accountant.
+    req = Request("wrn:wrn-16-2", 16, (3, 32, 32), "sgd-momentum")
+    plain = profile.account(req).peak
+    costs, lengths, _ = profile.chain_costs(req, Techniques(), 16)
+    front = checkpoint.frontier(costs, lengths)
+    least = min(profile.account(req, segments=checkpoint.split(s, lengths)).peak for _, _, s in front)
+    budget = (plain + least) // 2
+    levers = plan.Levers(precision=("fp32",), checkpoint=("planned",), activation_bits=(0,), microbatch_steps=1)
+    p = plan.make_plan(req, budget, progress=False, levers=levers)
+    (row,) = p.fitting.itertuples()
+    assert row.checkpoint == "planned" and row.peak_bytes <= budget
+    rec = sum(sum(c.flops for c in costs[s:e]) for s, e, on in [seg for chain in row.segments for seg in chain] if on)
+    assert row.recompute == rec / plan.step_flops(req, "none")
+    # The placement on the front with the next less recompute does not fit.
+    less = max((p for p in front if p[1] < rec), key=lambda p: p[1])
+    assert profile.account(req, segments=checkpoint.split(less[2], lengths)).peak > budget
+    assert "checkpoint_chains(model, segments=[[" in row.how_to_apply
 
 
 def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
@@ -142,3 +168,18 @@ def test_the_accountant_and_memtracker_agree_on_the_peak(tech):
     assert r["accountant_peak"] == r["memtracker_peak"]
     # Weights are weights in both; the categories may differ elsewhere (see lowmem.cli.crosscheck).
     assert r["accountant_model"] == r["memtracker_model"]
+
+
+@pytest.mark.parametrize("block,says", [
+    ({"budgets": ["4 gigs"]}, "budgets: budget '4 gigs' is not a number with a unit"),
+    ({"models": [{"name": "x", "model": "torchvision:resnet5", "batch": 8, "input": "3x32x32", "optimizer": "sgd"}]},
+     "torchvision has no classification model 'resnet5'"),
+    ({"sac_models": [{"name": "x", "model": "wrn:wrn-10-1"}]}, "each model is a mapping with exactly"),
+    ({"memtracker_families": ["cnn"]}, "memtracker_families: \\['cnn'\\] unknown"),
+])
+def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
+    from lowmem.config import ParamError, resolve
+
+    params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
+    with pytest.raises(ParamError, match=says):
+        resolve("planner", {**params, "planner": {**params["planner"], **block}})

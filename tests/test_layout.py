@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "lowmem"
-LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "studies": 3, "pipeline": 4, "cli": 4, "fairseq_user_dir": 5}
+LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "studies": 3, "cli": 4, "pipeline": 5, "fairseq_user_dir": 5}
 COMMON = ("config", "runs")
 
 

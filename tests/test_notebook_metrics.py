@@ -113,3 +113,19 @@ def test_10_proxy_noise_narrows_with_seeds_and_needs_more_seeds_for_a_tighter_ta
         widths = [px[f"half_width_{n}_seeds"] for n in proxy_noise.SEEDS_SHOWN]
         assert all(a > b for a, b in zip(widths, widths[1:])), name
         assert px["half_width_5_seeds"] == pytest.approx(proxy_noise.half_width(px["sd_full_test"], 5), abs=1e-3), name
+
+
+def test_12_planner_reports_the_accountants_peak_and_only_configurations_that_fit(notebook_metrics: Callable[[str, str], dict]) -> None:
+    from lowmem.cli import crosscheck, params, plan, profile
+
+    m = notebook_metrics("12_planner", "planner")
+    p = config.load("planner")
+    for entry in p.models:
+        got = m["models"][entry["name"]]
+        assert got["peak_bytes"] == profile.account(params.request(entry)).peak
+        assert sum(got["at_peak_bytes"].values()) == got["peak_bytes"]
+        assert list(got["budgets"]) == p.budgets
+        for budget, b in got["budgets"].items():
+            assert not b["fits"] or b["least_peak_bytes"] <= plan.budget_bytes(budget)
+    assert m["memtracker_worst_gap_pct"] == 0.0  # the smoke family (1-d convolutions) is accounted exactly
+    assert [(r["model"], r["freed_share"]) for r in m["sac"]] == [(e["name"], s) for e in p.sac_models for s in crosscheck.FREED]

@@ -1,5 +1,7 @@
-"""The accountant against PyTorch's own ``MemTracker`` (``torch.distributed._tools.mem_tracker``), on the same model
-and step, both on fake CPU tensors: total peaks and the breakdown at each one's peak.
+"""The accountant and the checkpoint planner against PyTorch's own tools, on the same model and step, all on fake CPU
+tensors.
+
+**MemTracker** (``torch.distributed._tools.mem_tracker``): total peaks and the breakdown at each one's peak.
 
 The two categorize differently. MemTracker's ``Activation`` is every tensor made in the forward pass and still
 alive, saved for backward or not; the accountant's ``activations`` are the tensors autograd saves (its other
@@ -10,13 +12,25 @@ not; ``TOTALS`` maps both to the accountant's five categories for the table.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import math
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.ilp_utils import aggregate_stats, get_peak_memory_runtime_baseline, parse_module_info
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+from torch.distributed._tools.sac_estimator import SACEstimator
+from torch.utils.flop_counter import flop_registry
 
 from lowmem.cli import models
-from lowmem.cli.profile import Request, account, chains, step_of
+from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
+from lowmem.techniques import checkpoint
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.techniques import precision
 from lowmem.techniques.step import Techniques
@@ -61,12 +75,14 @@ FAMILIES = {
 }
 
 
-def table() -> Any:
-    """One row per family and checkpointing (none, sqrt), in MiB."""
+def table(families: list[str] | None = None) -> Any:
+    """One row per family (``FAMILIES``, or those named) and checkpointing (none, sqrt), in MiB."""
     import pandas as pd
 
     rows = []
     for family, req in FAMILIES.items():
+        if families is not None and family not in families:
+            continue
         for ckpt in ("none", "sqrt"):
             if ckpt != "none" and not chains(models.build(req.spec, "meta")):
                 continue
@@ -83,13 +99,141 @@ CAPTION = ("The accountant against PyTorch's MemTracker (torch.distributed._tool
            "state, the accountant only tensors saved for backward, and the rest as other.")
 
 
+# --- the DP checkpoint planner against PyTorch's SAC integer program ------------------------------------------
+
+
+def _flops(func, args, kwargs):  # type: ignore[no-untyped-def]
+    """A runtime estimate for PyTorch's estimators: the op's FLOPs (torch.utils.flop_counter's formulas), in MFLOP
+    (sac_milp rounds its total to two decimals).
+    Their own estimates need an accelerator (the roofline model asserts one) or time real kernels, so on the CPU
+    both tools get the same FLOP count; ops without a formula (BatchNorm, activations, adds) cost nothing."""
+    out = func(*args, **(kwargs or {}))
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return out, 0.0
+    shapes = pytree.tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t, (args, kwargs or {}, out))
+    return out, formula(*shapes[0], **shapes[1], out_val=shapes[2]) / 1e6
+
+
+def sac_graph(req: Request) -> tuple[Any, list[str], int]:
+    """(PyTorch's module graph for the SAC integer program, the fully qualified names of the chains' blocks, the
+    graph's own peak without checkpointing): MemTracker, RuntimeEstimator and SACEstimator over one step (after a
+    warm-up step), with FLOP-counted runtimes (``_flops``)."""
+    model = models.build(req.spec, "meta")
+    names = {id(m): n for n, m in model.named_modules()}
+    top = type(model).__name__  # PyTorch's trackers name modules from the root's class
+    blocks = [f"{top}.{names[id(chain)]}.{i}" for _, _, chain in chains(model) for i in range(len(chain))]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        step, model, opt, (x, y) = step_of(req, Techniques(), "cpu", model=model)
+        step(lambda _: None)
+        mt = MemTracker()
+        mt.track_external(model, opt, x, y)
+        with mt:
+            step(lambda _: None)
+        rt = RuntimeEstimator()
+        rt._estimate, rt._estimate_mode_type = _flops, "FLOP count, MFLOP"  # in place of __call__'s two GPU modes
+        with contextlib.redirect_stdout(io.StringIO()), rt:  # its exit prints a total
+            step(lambda _: None)
+        sac = SACEstimator()
+        sac._estimate_runtime = _flops
+        with sac:
+            step(lambda _: None)
+        info = aggregate_stats(model, mt, rt, sac, torch.device("cpu"))
+    # A module called twice in a forward pass (a torchvision Bottleneck's one ReLU, three times) is listed each time
+    # in the execution orders, but its stats are one entry, which parse_module_info asserts; keep its first call.
+    # Such modules are leaves, which the program never checkpoints.
+    for order in ("fw_pre_order", "fw_post_order"):
+        info["mod_order"][order] = list(dict.fromkeys(info["mod_order"][order]))  # type: ignore[literal-required]
+    graph = parse_module_info(info)
+    return graph, blocks, get_peak_memory_runtime_baseline(graph)[0]
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+FREED = (0.1, 0.2, 0.3, 0.4, 0.5)  # the share of the chains' saved activations each planner is asked to free
+
+
+def sac_ilp(req: Request, freed: tuple[float, ...] = FREED) -> list[dict[str, Any]]:
+    """At equal budgets, the recompute of lowmem's DP planner (segments of whole blocks, ``checkpoint.frontier``)
+    and of PyTorch's SAC integer program (``sac_ilp.sac_milp``: per block, a share of its activations discarded
+    by recomputing ops), both choosing among the same units, the blocks of the model's chains, and both with
+    FLOP-counted runtimes. A budget is each tool's own peak without checkpointing less the same bytes: a share of
+    the chains' saved activations (the accountant's). The DP's placement is accounted on the real step too."""
+    try:
+        from torch.distributed._tools.sac_ilp import sac_milp  # needs pulp (and SACEstimator's fit, pwlf)
+        import pwlf  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"the SAC integer program needs pulp and pwlf ({e}); `make setup` installs both, pinned "
+                          "in requirements-2.txt") from None
+    graph, blocks, sac_peak = sac_graph(req)
+    costs, lengths, _ = chain_costs(req, Techniques(), req.batch)
+    chain_bytes = sum(c.saved_bytes for c in costs)
+    plain = account(req).peak
+    dp_front = checkpoint.frontier(costs, lengths)
+    unplaced = checkpoint.modelled(costs, [(0, len(costs), False)])[0]
+    rows = []
+    for share in freed:
+        free = int(share * chain_bytes)
+        fits = [p for p in dp_front if unplaced - p[0] >= free]
+        dp = min(fits, key=lambda p: (p[1], p[0])) if fits else None
+        with _quiet("torch.distributed._tools.sac_ilp"):  # an infeasible budget is a NaN in the table, not a log line
+            decisions, sac_rec, sac_bound = sac_milp(graph, memory_budget=(sac_peak - free) / 2**30, ac_units=blocks)
+        rows.append({
+            "model": req.model, "batch": req.batch, "freed_share": share, "freed_mib": free / 2**20,
+            "dp_recompute_gflop": dp[1] / 1e9 if dp else math.nan,
+            "dp_segments": sum(on for _, _, on in dp[2]) if dp else 0,
+            "dp_accounted_freed_mib": (plain - account(req, segments=checkpoint.split(dp[2], lengths)).peak) / 2**20 if dp else math.nan,
+            "sac_recompute_gflop": sac_rec / 1e3 if sac_bound >= 0 else math.nan,
+            "sac_blocks": len(decisions), "sac_mean_discarded": sum(decisions.values()) / len(decisions) if decisions else 0.0,
+        })
+    return rows
+
+
+SAC_MODELS = {"WRN-28-2": Request("wrn:wrn-28-2", 128, (3, 32, 32), "sgd-momentum"),
+              "ResNet-50": Request("torchvision:resnet50", 32, (3, 224, 224), "sgd-momentum")}
+
+
+def sac_table(requests: list[Request] | None = None) -> Any:
+    """``sac_ilp``'s rows for ``requests`` (default: ``SAC_MODELS``)."""
+    import pandas as pd
+
+    return pd.DataFrame([r for req in (requests or SAC_MODELS.values()) for r in sac_ilp(req)])
+
+
+SAC_CAPTION = ("lowmem's DP checkpoint planner against PyTorch's SAC integer program (torch.distributed._tools.sac_ilp, "
+               "CBC through pulp) at equal budgets: each tool's own peak without checkpointing less the same bytes, "
+               "a share of the accountant's saved activations of the model's chains of blocks. Both choose among the "
+               "same units (the blocks) and both count runtime as FLOPs (torch.utils.flop_counter; PyTorch's own "
+               "runtime estimators need an accelerator), so ops without a FLOP formula (BatchNorm, activations, adds) "
+               "recompute for free. Recompute in GFLOP per step. The DP recomputes whole segments of blocks; the ILP "
+               "discards a share of each block's activations, cheapest first (sac_mean_discarded), so it can free "
+               "memory by recomputing only what is free under this count. dp_accounted_freed_mib: the accountant's "
+               "peak of the plain step less that of the DP's placement. Blank: no placement frees that much under the tool's "
+               "own model of the peak.")
+
+
 if __name__ == "__main__":
     import argparse
     from pathlib import Path
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", type=Path, required=True, help="write the Markdown table here (and a CSV beside it)")
-    out = ap.parse_args().table
-    t = table()
-    t.to_csv(out.with_suffix(".csv"), index=False)
-    out.write_text(CAPTION + "\n\n" + t.round(2).to_markdown(index=False) + "\n")
+    ap.add_argument("--table", type=Path, help="write the MemTracker table here as Markdown (and a CSV beside it)")
+    ap.add_argument("--sac-table", type=Path, help="write the SAC integer program table here (and a CSV beside it)")
+    a = ap.parse_args()
+    if not (a.table or a.sac_table):
+        ap.error("give --table, --sac-table or both")
+    for out, make, caption in ((a.table, table, CAPTION), (a.sac_table, sac_table, SAC_CAPTION)):
+        if out:
+            t = make()
+            t.to_csv(out.with_suffix(".csv"), index=False)
+            out.write_text(caption + "\n\n" + t.round(2).to_markdown(index=False) + "\n")

@@ -14,8 +14,9 @@ printed, each with how to apply it:
   the model has no BatchNorm: gradient accumulation of a mean loss), else the sum of the lossy levers' effects
   measured in this project, each labelled with the task and profile it was measured on, or ``unmeasured``.
 
-Checkpointing cuts the model's chains of blocks (``lowmem.cli.profile.chains``) into segments by the strategy's
-plan (``block``: one block per segment; ``sqrt``: sqrt(n) blocks per segment, Chen et al. 2016).
+Checkpointing cuts the model's chains of blocks (``lowmem.cli.profile.chains``) into segments placed by the DP
+planner (``lowmem.techniques.checkpoint.frontier``, over every chain at once): the placement of least recompute that
+frees what the step under the other levers lacks of the budget, checked by the accountant (``make_plan.placed``).
 """
 
 from __future__ import annotations
@@ -37,13 +38,15 @@ from tqdm import tqdm
 
 from lowmem.cli import models
 from lowmem.cli.models import SpecError
-from lowmem.cli.profile import Request, account, chains, step_of
+from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
+from lowmem.techniques import checkpoint
+from lowmem.techniques.checkpoint import BlockCost, Segment
 from lowmem.techniques.step import Techniques
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
-CHECKPOINTS = ("none", "sqrt")
+CHECKPOINTS = ("none", "planned")  # planned: the DP planner's placement for the budget (make_plan)
 ACTIVATION_BITS = (0, 8, 2)
 MICROBATCH_STEPS = 6  # microbatches tried: the whole batch, then halves down to 1 example or this many halvings
 ROOT = Path(__file__).parents[2]  # the checkout, whose figures/ hold the measured effects
@@ -76,9 +79,10 @@ class Levers:
     microbatch_steps: int = MICROBATCH_STEPS
 
 
-def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[Techniques]:
-    """Every combination of ``levers`` (the microbatches: ``microbatches``)."""
-    return [Techniques(precision=p, checkpoint=c, microbatch=b, activation_bits=a)
+def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool]]:
+    """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques without checkpointing,
+    whether the checkpoint placement is planned)."""
+    return [(Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned")
             for p, c, b, a in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
                                                 microbatches(req.batch, levers.microbatch_steps), levers.activation_bits)]
 
@@ -154,9 +158,9 @@ def step_flops(req: Request, checkpoint: str) -> int:
     return counter.get_total_flops()
 
 
-def step_seconds(req: Request, tech: Techniques, repeats: int = 2) -> float:
+def step_seconds(req: Request, tech: Techniques, segments: list[list[Segment]] | None = None, repeats: int = 2) -> float:
     """Median seconds of a real step on the CPU, after a warm-up step."""
-    step, *_ = step_of(req, tech, "cpu")
+    step, *_ = step_of(req, tech, "cpu", segments=segments)
     step(lambda _: None)
     times = []
     for _ in range(repeats):
@@ -177,13 +181,13 @@ class Plan:
     timed: bool
 
 
-def how_to_apply(tech: Techniques) -> str:
+def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None) -> str:
     fields = {f.name: getattr(tech, f.name) for f in dataclasses.fields(tech)
               if f.name in ("precision", "microbatch", "checkpoint", "activation_bits")
               and getattr(tech, f.name) != getattr(Techniques(), f.name)}
     call = "Techniques(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
-    if tech.checkpoint != "none":
-        call += f" with lowmem.cli.profile.checkpoint_chains(model, {tech.checkpoint!r})"
+    if segments:  # (first block, end block, recomputed) per segment, per chain of lowmem.cli.profile.chains
+        call += f" with lowmem.cli.profile.checkpoint_chains(model, segments={segments!r})"
     return call
 
 
@@ -194,40 +198,87 @@ def pareto(df: pd.DataFrame) -> pd.Series:
                       for i, p in enumerate(pts)], index=df.index)
 
 
+def _scaled(costs: list[BlockCost], tech: Techniques) -> list[BlockCost]:
+    """Block costs with packed activations (``activation_bits``): the saved bytes shrink by bits over the element's
+    bits (the accountant then checks the placement on the real step)."""
+    if not tech.activation_bits:
+        return costs
+    f = tech.activation_bits / (32 if tech.precision == "fp32" else 16)
+    return [BlockCost(int(c.input_bytes * f), int(c.saved_bytes * f), c.flops) for c in costs]
+
+
 def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: bool = False,
-              max_loss: float | None = None, progress: bool = True, root: Path = ROOT, levers: Levers = Levers()) -> Plan:
+              max_loss: float | None = None, progress: bool = True, root: Path = ROOT, levers: Levers = Levers(),
+              cache: dict[Any, dict[str, Any]] | None = None) -> Plan:
     """Accounts the grid for ``req``, keeps what fits ``budget`` bytes (and the quality filters), and its Pareto set.
-    Raises SpecError, naming the smallest peak reachable, when nothing fits."""
+    Raises SpecError, naming the smallest peak reachable, when nothing fits. ``cache``: accounted configurations
+    shared between plans of the same ``req`` at several budgets."""
     if req.spec.kind == "fairseq":
         raise SpecError("lowmem plan takes torchvision, wrn and module models; for a fairseq architecture, "
                         "`lowmem profile` accounts it, and the DynamicConv grid (README, 'Combinations') shows its levers as flags")
+    cache = {} if cache is None else cache
     model = models.build(req.spec, "meta")
     has_chains = bool(chains(model))
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     effects = measured_effects(root)
-    flops = {c: step_flops(req, c) for c in {"none", *(levers.checkpoint if has_chains else ())}}
-    def row(tech: Techniques) -> dict[str, Any]:
-        b, B = tech.microbatch, req.batch
-        r = account(req, tech, examples=3 * b if b and B // b > 3 else None)
-        change, label = risk(tech, has_bn, effects)
-        return {"precision": tech.precision, "checkpoint": tech.checkpoint, "microbatch": b or B,
-                "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
-                "peak_bytes": r.peak, "peak_phase": r.peak_phase,
-                "recompute": (flops[tech.checkpoint] - flops["none"]) / flops["none"],
-                "time": flops[tech.checkpoint] / flops["none"], "time_source": "estimated (FLOP ratio)",
-                "predicted_change": change, "quality_risk": label, "how_to_apply": how_to_apply(tech), "tech": tech}
+    if "flops" not in cache:
+        cache["flops"] = step_flops(req, "none")
+    flops = cache["flops"]
+
+    def row(tech: Techniques, segments: list[list[Segment]] | None = None, recompute: int = 0) -> dict[str, Any]:
+        key = (tech, repr(segments))
+        if key not in cache:
+            b, B = tech.microbatch, req.batch
+            r = account(req, tech, examples=3 * b if b and B // b > 3 else None, segments=segments)
+            change, label = risk(tech, has_bn, effects)
+            cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
+                          "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
+                          "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
+                          "time": 1 + recompute / flops, "time_source": "estimated (FLOP ratio)",
+                          "predicted_change": change, "quality_risk": label,
+                          "how_to_apply": how_to_apply(tech, segments), "tech": tech, "segments": segments}
+        return cache[key]
+
+    def placed(tech: Techniques) -> dict[str, Any]:
+        """The checkpoint placement of least recompute that fits, among the DP planner's memory-recompute front
+        (lowmem.techniques.checkpoint.frontier), by the accountant: the planner's model of the peak is not the
+        accountant's, so the front (recompute rising, modelled peak falling) is bisected on accounted peaks."""
+        plain = row(tech)
+        if plain["peak_bytes"] <= budget:
+            return plain  # nothing to place
+        mb = tech.microbatch or req.batch
+        ckey = ("costs", tech.precision, mb)
+        if ckey not in cache:
+            cache[ckey] = chain_costs(req, tech, mb)
+        costs, lengths, _ = cache[ckey]
+        front = [p for p in checkpoint.frontier(_scaled(costs, tech), lengths) if p[1] > 0]
+
+        def at(i: int) -> dict[str, Any]:
+            return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.batch // mb))
+
+        lo, hi = 0, len(front) - 1
+        if at(hi)["peak_bytes"] > budget:
+            return at(hi)  # the least memory the planner reaches does not fit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if at(mid)["peak_bytes"] <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        return at(hi)
 
     # Per setting of the other levers, the largest microbatch that fits (microbatching costs time the FLOP ratio
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.batch, levers.microbatch_steps)
     settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
-    for base in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+    for base, planned in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
 
         def fits(i: int) -> bool:
             if i not in seen:
-                seen[i] = row(dataclasses.replace(base, microbatch=sizes[i]))
+                tech = dataclasses.replace(base, microbatch=sizes[i])
+                seen[i] = dict(placed(tech) if planned else row(tech))
                 rows.append(seen[i])
             return seen[i]["peak_bytes"] <= budget
 
@@ -241,6 +292,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                     lo = mid + 1
             seen[hi]["largest_fitting"] = True
     df = pd.DataFrame(rows)
+    # A placement at a size where the plain step fits is the plain step: one row.
+    df = df.loc[~df.drop(columns=["tech", "segments"]).astype(str).duplicated()]
     # Exact first, then the smallest predicted loss; an unmeasured lever ranks below every measured one.
     df["risk_key"] = df.predicted_change.map(lambda c: math.inf if math.isnan(c) else -c)
     ok = df[df.get("largest_fitting", pd.Series(False, index=df.index)).fillna(False).astype(bool)]
@@ -254,8 +307,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                         f"the smallest peak is {best.peak_bytes / 2**30:.3f} GiB, with {best['how_to_apply']}")
     front = ok[pareto(ok)].copy()
     if time_steps:
-        base = step_seconds(req, Techniques())
-        front["time"] = [step_seconds(req, t) / base for t in front.tech]
+        base_s = step_seconds(req, Techniques())
+        front["time"] = [step_seconds(req, t, seg) / base_s for t, seg in zip(front.tech, front.segments)]
         front["time_source"] = "measured (CPU, against the plain step)"
     return Plan(budget, df, front.sort_values(["peak_bytes"]).reset_index(drop=True), time_steps)
 

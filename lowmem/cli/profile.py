@@ -25,7 +25,7 @@ from lowmem.cli.models import Spec, SpecError
 from lowmem.memory.accounting import MemoryReport, Workspace, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
 from lowmem.techniques import optimizers, precision
-from lowmem.techniques.checkpoint import CheckpointedChain, plan
+from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan
 from lowmem.techniques.step import Techniques, train_step
 
 # The optimizers a step can take: torch's, with their usual hyperparameters (bytes do not depend on them), and the
@@ -120,14 +120,42 @@ def chains(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
     return found
 
 
-def checkpoint_chains(model: nn.Module, spec: str) -> int:
-    """Checkpoints every chain of ``chains`` with strategy ``spec`` (lowmem.techniques.checkpoint), in place;
-    returns how many chains there were."""
+def checkpoint_chains(model: nn.Module, spec: str = "none", segments: list[list[Segment]] | None = None) -> int:
+    """Checkpoints every chain of ``chains`` with strategy ``spec`` (lowmem.techniques.checkpoint), or with the
+    given ``segments`` per chain (``lowmem plan``'s placement, from ``chain_costs``), in place; returns how many
+    chains there were."""
     found = chains(model)
-    if spec != "none":
-        for parent, name, chain in found:
+    if segments is not None and len(segments) != len(found):
+        raise SpecError(f"{len(segments)} chains of segments given for a model with {len(found)} chains of blocks")
+    for i, (parent, name, chain) in enumerate(found):
+        if segments is not None:
+            setattr(parent, name, CheckpointedChain(chain, segments[i]))
+        elif spec != "none":
             setattr(parent, name, CheckpointedChain(chain, plan(spec, len(chain))))
     return len(found)
+
+
+def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[BlockCost], list[int], list[str]]:
+    """(block costs of every chain one after the other, each chain's length, each chain's name in the model) for a
+    microbatch of ``examples`` in ``tech``'s precision, on fake CPU tensors (the CPU's kernels, as ``account``):
+    what ``lowmem.techniques.checkpoint.frontier`` plans over."""
+    model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
+    prec = precision.parse(tech.precision)
+    found = chains(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    inputs: dict[int, torch.Tensor] = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        hooks = [chain.register_forward_pre_hook(lambda _, args, i=i: inputs.setdefault(i, args[0]))
+                 for i, (_, _, chain) in enumerate(found)]
+        x, _ = models.batch(model, examples, req.input, req.vocab, "cpu", dtype=prec.dtype if prec.kind == "half" else torch.float32)
+        inputs.clear()  # the probe of models.batch ran one example
+        with torch.no_grad():
+            model(x)
+        for h in hooks:
+            h.remove()
+        costs = [c for i, (_, _, chain) in enumerate(found) for c in block_costs(chain, inputs[i])]
+    return costs, [len(c) for _, _, c in found], [names[id(c)] for _, _, c in found]
 
 
 def _has_values(t: torch.Tensor) -> bool:
@@ -135,13 +163,14 @@ def _has_values(t: torch.Tensor) -> bool:
 
 
 def step_of(req: Request, tech: Techniques, device: torch.device | str, examples: int | None = None,
-            model: nn.Module | None = None) -> tuple[Callable[[Callable[[str], None]], Any], nn.Module, Any, tuple[torch.Tensor, ...]]:
+            model: nn.Module | None = None, segments: list[list[Segment]] | None = None
+            ) -> tuple[Callable[[Callable[[str], None]], Any], nn.Module, Any, tuple[torch.Tensor, ...]]:
     """(step, model, optimizer, batch) of one training step of ``req`` under ``tech`` on ``device`` (``model``:
-    already built there, in ``tech``'s precision)."""
+    already built there, in ``tech``'s precision; ``segments``: checkpoint placement, see ``checkpoint_chains``)."""
     prec = precision.parse(tech.precision)
     if model is None:
         model = precision.prepare(models.build(req.spec, device), prec)
-    checkpoint_chains(model, tech.checkpoint)
+    checkpoint_chains(model, tech.checkpoint, segments)
     # A float batch in the model's dtype (16-bit in half mode; autocast casts it itself in mixed mode).
     x, y = models.batch(model, req.batch, req.input, req.vocab, device, dtype=prec.dtype if prec.kind == "half" else torch.float32)
     opt = make_optimizer(req.optimizer, model)
@@ -181,7 +210,7 @@ def _shapes(shapes: str, tech: Techniques) -> tuple[Any, torch.device]:
 
 
 def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace | None = None, examples: int | None = None,
-            shapes: str = "cpu") -> MemoryReport:
+            shapes: str = "cpu", segments: list[list[Segment]] | None = None) -> MemoryReport:
     """The accounted report of one step at full size, on tensors of shapes only (``_shapes``: fake CPU tensors, or
     the meta device).
     ``workspace`` adds each op's internal scratch (``lowmem.memory.measure.CPUWorkspace``). ``examples``: step on
@@ -197,7 +226,7 @@ def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace 
     with ctx:
         if device.type != "meta":
             model.to_empty(device=device)
-        step, model, opt, batch = step_of(req, tech, device, examples, model)
+        step, model, opt, batch = step_of(req, tech, device, examples, model, segments)
         return account_step(step, model, opt, batch, workspace=workspace)
 
 

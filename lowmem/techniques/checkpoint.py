@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -87,25 +88,30 @@ def modelled(costs: list[BlockCost], segments: list[Segment]) -> tuple[int, int]
     return stored + extra, recompute
 
 
-def frontier(costs: list[BlockCost]) -> list[tuple[int, int, list[Segment]]]:
+def frontier(costs: list[BlockCost], lengths: list[int] | None = None) -> list[tuple[int, int, list[Segment]]]:
     """Every segmentation on the memory-recompute Pareto front, as (peak bytes, recompute FLOPs, segments).
 
     The peak's max term is not additive, so the DP runs once per candidate cap T on a segment's recomputed extra;
     under a cap, the stored bytes and the recompute both add up over the chain, and a Pareto set per prefix is exact.
+    ``lengths``: the costs are several chains run one after the other (a ResNet's four stages), of these lengths;
+    a segment never crosses from one to the next (``split`` gives each chain its own segments back).
     """
     n = len(costs)
+    ends = set(itertools.accumulate(lengths or [n]))
+    chain = [sum(e <= i for e in ends) for i in range(n)]  # which chain block i is in
     saved = [0] * (n + 1)
     flops = [0] * (n + 1)
     for i, c in enumerate(costs):
         saved[i + 1], flops[i + 1] = saved[i] + c.saved_bytes, flops[i] + c.flops
-    extra = {(j, i): saved[i] - saved[j] - costs[j].input_bytes for j in range(n) for i in range(j + 1, n + 1)}
+    extra = {(j, i): saved[i] - saved[j] - costs[j].input_bytes for j in range(n) for i in range(j + 1, n + 1)
+             if chain[j] == chain[i - 1]}
     points: list[tuple[int, int, list[Segment]]] = []
     for cap in sorted({0, *extra.values()}):
         best: list[list[tuple[int, int, list[Segment]]]] = [[(0, 0, [])]] + [[] for _ in range(n)]
         for i in range(1, n + 1):
             cands = [(m + costs[i - 1].saved_bytes, r, segs + [(i - 1, i, False)]) for m, r, segs in best[i - 1]]
             for j in range(i):
-                if extra[j, i] <= cap:
+                if extra.get((j, i), cap + 1) <= cap:
                     cands += [(m + costs[j].input_bytes, r + flops[i] - flops[j], segs + [(j, i, True)]) for m, r, segs in best[j]]
             best[i] = _pareto(cands)
         points += [modelled(costs, segs) + (segs,) for _, _, segs in best[n]]
@@ -120,10 +126,20 @@ def _pareto(points: list[tuple[int, int, list[Segment]]]) -> list[tuple[int, int
     return out
 
 
-def optimal(costs: list[BlockCost], max_recompute: float | None = None, max_memory: float | None = None) -> list[Segment]:
+def split(segments: list[Segment], lengths: list[int]) -> list[list[Segment]]:
+    """The segments of ``frontier(costs, lengths)`` per chain, each counted from its chain's first block."""
+    out, start = [], 0
+    for n in lengths:
+        out.append([(s - start, e - start, c) for s, e, c in segments if start <= s < start + n])
+        start += n
+    return out
+
+
+def optimal(costs: list[BlockCost], max_recompute: float | None = None, max_memory: float | None = None,
+            lengths: list[int] | None = None) -> list[Segment]:
     """The least-memory segmentation within a recompute budget (FLOPs), or the least-recompute one within a memory
     budget (bytes)."""
-    front = frontier(costs)
+    front = frontier(costs, lengths)
     if max_memory is not None:
         fits = [p for p in front if p[0] <= max_memory]
         if not fits:
