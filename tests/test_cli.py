@@ -170,6 +170,33 @@ def test_the_accountant_and_memtracker_agree_on_the_peak(tech):
     assert r["accountant_model"] == r["memtracker_model"]
 
 
+def test_pytorchs_estimators_get_flop_counters_count_as_runtime():
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lowmem.cli import crosscheck
+
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.aten.convolution.default(*args)
+    assert crosscheck._flops(torch.ops.aten.convolution.default, args, {})[1] == counter.get_total_flops() / 1e6
+    assert crosscheck._flops(torch.ops.aten.relu.default, (x,), {})[1] == 0.0  # no formula: free, as the caption says
+
+
+def test_the_sac_cross_check_asks_both_tools_to_free_more_and_each_recomputes_more():
+    from lowmem.cli import crosscheck
+
+    req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
+    rows = crosscheck.sac_ilp(req, freed=(0.1, 0.2, 0.3))
+    blocks = len(profile.chain_costs(req, Techniques(), 8)[0])
+    assert [r["freed_share"] for r in rows] == [0.1, 0.2, 0.3]
+    for tool in ("dp", "sac"):
+        got = [r[f"{tool}_recompute_gflop"] for r in rows]
+        assert all(g > 0 for g in got) and got == sorted(got)  # each budget is feasible, and a tighter one costs more
+    assert all(0 < r["sac_blocks"] <= blocks and 0 < r["dp_segments"] <= blocks for r in rows)  # units: the blocks only
+
+
 @pytest.mark.parametrize("block,says", [
     ({"budgets": ["4 gigs"]}, "budgets: budget '4 gigs' is not a number with a unit"),
     ({"models": [{"name": "x", "model": "torchvision:resnet5", "batch": 8, "input": "3x32x32", "optimizer": "sgd"}]},
@@ -178,8 +205,29 @@ def test_the_accountant_and_memtracker_agree_on_the_peak(tech):
     ({"memtracker_families": ["cnn"]}, "memtracker_families: \\['cnn'\\] unknown"),
 ])
 def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
+    from lowmem.cli import params as _registers_the_stage  # noqa: F401
     from lowmem.config import ParamError, resolve
 
     params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     with pytest.raises(ParamError, match=says):
         resolve("planner", {**params, "planner": {**params["planner"], **block}})
+
+
+def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq():
+    from lowmem.cli import plan_fairseq
+    from lowmem.dynamicconv import memory as fairseq_memory
+
+    req = Request("fairseq:lightconv_iwslt_de_en", 2, (8,), "adam", vocab=64)  # 16 tokens: --update-freq 1 or 2
+    opts = plan_fairseq.options(req)
+    assert opts["checkpoint"] == [[], ["--checkpoint-activations"]] and len(opts["microbatch"]) == 2
+    plain = fairseq_memory.account(plan_fairseq.base_args(req) + opts["microbatch"][0], 64, 64, 16, 8).peak
+    p = plan.make_plan(req, plain - 1, progress=False)  # the plain update does not fit
+    assert len(p.fitting) >= 1
+    for r in p.fitting.itertuples():
+        args = r.how_to_apply.removeprefix("fairseq-train ").removesuffix(" (plus your data and recipe)").split()
+        assert fairseq_memory.account(args, 64, 64, 16, 8).peak == r.peak_bytes <= plain - 1
+        if "--update-freq" in args:  # the least k that fits: the same levers at k = 1 do not
+            k1 = [a for a in args if a not in ("--update-freq", "2")]
+            k1[k1.index("--max-tokens") + 1] = "16"
+            assert fairseq_memory.account(k1, 64, 64, 16, 8).peak > plain - 1
+        assert (r.quality_risk == "exact") == (r.precision == "fp32" and "--update-freq" not in args)

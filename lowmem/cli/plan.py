@@ -122,9 +122,9 @@ def _lever(name: str) -> tuple[str, Any] | None:
     return None
 
 
-def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]]) -> tuple[float, str]:
-    """(predicted change, its label): 0 and 'exact' when every lever on is exact; else the sum of the lossy levers'
-    measured effects (NaN when one is unmeasured) and a label naming each."""
+def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]]) -> tuple[float, float, str]:
+    """(predicted change, its low end, its label): 0 and 'exact' when every lever on is exact; else ``combine`` of
+    the lossy levers' measured effects."""
     lossy = []
     if tech.precision != "fp32":
         lossy.append(("precision", tech.precision))
@@ -132,19 +132,25 @@ def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], d
         lossy.append(("microbatch", tech.microbatch))
     if tech.activation_bits:
         lossy.append(("activation_bits", tech.activation_bits))
+    return combine([(f"{k}={v}", effects.get((k, v))) for k, v in lossy])
+
+
+def combine(lossy: list[tuple[str, dict[str, Any] | None]]) -> tuple[float, float, str]:
+    """(sum of the effects, sum of their intervals' low ends, a label naming each with its interval, task and
+    seeds); NaN where one is unmeasured. The low end is what the plan ranks by: a lever measured as +0.01
+    [-1.79, +1.80] is not as safe as one proven exact."""
     if not lossy:
-        return 0.0, "exact"
-    total, parts = 0.0, []
-    for key in lossy:
-        e = effects.get(key)
-        label = f"{key[0]}={key[1]}"
+        return 0.0, 0.0, "exact"
+    total, low, parts = 0.0, 0.0, []
+    for label, e in lossy:
         if e is None:
-            total = math.nan
+            total = low = math.nan
             parts.append(f"{label}: unmeasured")
         else:
-            total += e["change"]
-            parts.append(f"{label}: {e['change']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}] ({e['where']}, {e['n']} seeds)")
-    return total, "; ".join(parts)
+            total, low = total + e["change"], low + e["low"]
+            seeds = f", {e['n']} seeds" if "n" in e else ""
+            parts.append(f"{label}: {e['change']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}] ({e['where']}{seeds})")
+    return total, low, "; ".join(parts)
 
 
 # --- recompute ---------------------------------------------------------------------------------------------------
@@ -214,8 +220,11 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     Raises SpecError, naming the smallest peak reachable, when nothing fits. ``cache``: accounted configurations
     shared between plans of the same ``req`` at several budgets."""
     if req.spec.kind == "fairseq":
-        raise SpecError("lowmem plan takes torchvision, wrn and module models; for a fairseq architecture, "
-                        "`lowmem profile` accounts it, and the DynamicConv grid (README, 'Combinations') shows its levers as flags")
+        if time_steps:
+            raise SpecError("--time is not available for a fairseq architecture (its update needs a dataset); the time column is the FLOP ratio")
+        from lowmem.cli import plan_fairseq  # which imports this module's combine
+
+        return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root)), budget, exact_only, max_loss)
     cache = {} if cache is None else cache
     model = models.build(req.spec, "meta")
     has_chains = bool(chains(model))
@@ -230,12 +239,12 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         if key not in cache:
             b, B = tech.microbatch, req.batch
             r = account(req, tech, examples=3 * b if b and B // b > 3 else None, segments=segments)
-            change, label = risk(tech, has_bn, effects)
+            change, low, label = risk(tech, has_bn, effects)
             cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
                           "time": 1 + recompute / flops, "time_source": "estimated (FLOP ratio)",
-                          "predicted_change": change, "quality_risk": label,
+                          "predicted_change": change, "predicted_low": low, "quality_risk": label,
                           "how_to_apply": how_to_apply(tech, segments), "tech": tech, "segments": segments}
         return cache[key]
 
@@ -294,8 +303,20 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     df = pd.DataFrame(rows)
     # A placement at a size where the plain step fits is the plain step: one row.
     df = df.loc[~df.drop(columns=["tech", "segments"]).astype(str).duplicated()]
+    plan = _choose(df, budget, exact_only, max_loss)
+    if time_steps:
+        base_s = step_seconds(req, Techniques())
+        plan.fitting["time"] = [step_seconds(req, t, seg) / base_s for t, seg in zip(plan.fitting.tech, plan.fitting.segments)]
+        plan.fitting["time_source"] = "measured (CPU, against the plain step)"
+        plan.timed = True
+    return plan
+
+
+def _choose(df: pd.DataFrame, budget: int, exact_only: bool, max_loss: float | None) -> Plan:
+    """The plan of accounted rows ``df``: those marked largest_fitting, filtered, and their Pareto set."""
     # Exact first, then the smallest predicted loss; an unmeasured lever ranks below every measured one.
-    df["risk_key"] = df.predicted_change.map(lambda c: math.inf if math.isnan(c) else -c)
+    # Ranked by the low end of the measured interval (a gain is not credited: it ranks as exact, not above it).
+    df["risk_key"] = df.predicted_low.map(lambda c: math.inf if math.isnan(c) else max(-c, 0.0))
     ok = df[df.get("largest_fitting", pd.Series(False, index=df.index)).fillna(False).astype(bool)]
     if exact_only:
         ok = ok[ok.quality_risk == "exact"]
@@ -306,11 +327,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         raise SpecError(f"no configuration fits {budget / 2**30:.3f} GiB{' with the filters given' if len(df[df.peak_bytes <= budget]) else ''}: "
                         f"the smallest peak is {best.peak_bytes / 2**30:.3f} GiB, with {best['how_to_apply']}")
     front = ok[pareto(ok)].copy()
-    if time_steps:
-        base_s = step_seconds(req, Techniques())
-        front["time"] = [step_seconds(req, t, seg) / base_s for t, seg in zip(front.tech, front.segments)]
-        front["time_source"] = "measured (CPU, against the plain step)"
-    return Plan(budget, df, front.sort_values(["peak_bytes"]).reset_index(drop=True), time_steps)
+    return Plan(budget, df, front.sort_values(["peak_bytes"]).reset_index(drop=True), False)
 
 
 def table(plan: Plan) -> str:

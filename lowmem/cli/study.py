@@ -92,7 +92,8 @@ def figure(p: PlannerParams, res: dict[str, pd.DataFrame]) -> Figure:
                          textcoords="offset points", fontsize=8)
     axes[0].set_xlabel("GiB at the peak of one plain step")
     axes[0].set_title("(a) What each model's step holds, against the budgets")
-    axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].invert_yaxis()
+    axes[0].legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=len(CATEGORIES))
     mt = res["memtracker"]
     labels = [f"{f}\n(checkpoint {c})" for f, c in zip(mt.family, mt.checkpoint)]
     y = np.arange(len(mt))
@@ -116,7 +117,7 @@ def figure(p: PlannerParams, res: dict[str, pd.DataFrame]) -> Figure:
     axes[2].set_ylabel("recompute per step, GFLOP (FLOP-counted)")
     axes[2].set_title("(c) Checkpoint placement against PyTorch's SAC ILP")
     axes[2].legend(fontsize=8)
-    fig.text(0.01, -0.04, f"{_source(p)} (c): a missing point is a budget the tool finds no placement for.", fontsize=8)
+    fig.text(0.01, -0.08, f"{_source(p)} (c): a missing point is a budget the tool finds no placement for.", fontsize=8)
     fig.tight_layout()
     return fig
 

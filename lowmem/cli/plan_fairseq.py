@@ -1,0 +1,130 @@
+"""``lowmem plan`` for a fairseq architecture: the levers as fairseq-train flags, each configuration accounted on
+fairseq's own update (``lowmem.dynamicconv.memory``).
+
+- **microbatching**: ``--update-freq k`` with ``--max-tokens T/k``;
+- **checkpointing**: ``--checkpoint-activations``, where the architecture has it (fairseq's transformer does; for
+  ``lightconv_iwslt_de_en`` lowmem's ``--user-dir`` plugin adds it);
+- **precision**: lowmem's plugin's ``--precision mixed-bf16|half-bf16`` for lightconv (fairseq 0.12 has no 16-bit
+  training on the CPU), fairseq's own ``--fp16`` (CUDA only) for other architectures.
+
+Recompute is counted by ``torch.utils.flop_counter`` on the accounted update itself (with checkpointing, the FLOPs
+beyond the plain update's). Quality risk: checkpointing is exact; the others are the DynamicConv study's measured
+sacreBLEU changes (figures/08_translation_techniques.csv) where that exact option was trained, else unmeasured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from torch.utils.flop_counter import FlopCounterMode
+from tqdm import tqdm
+
+from lowmem.cli.models import SpecError
+from lowmem.cli.plan import combine
+from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request, _HostScalars
+
+PLUGIN_ARCH = "lightconv_iwslt_de_en"  # the architecture lowmem's plugin extends (as lowmem_lightconv_iwslt_de_en)
+UPDATE_FREQS = 6  # --update-freq 1, 2, 4, ... at most this many
+
+
+def base_args(req: Request) -> list[str]:
+    """The command line without levers: lowmem's plugin for the architecture it extends, fairseq's own otherwise."""
+    from lowmem.dynamicconv.translation import PLUGIN_DIR
+
+    arch = ["--user-dir", str(PLUGIN_DIR), "--arch", f"lowmem_{PLUGIN_ARCH}"] if req.spec.name == PLUGIN_ARCH else ["--arch", req.spec.name]
+    return [*arch, "--task", "translation", "--criterion", "label_smoothed_cross_entropy",
+            "--optimizer", FAIRSEQ_OPTIMIZERS[req.optimizer], "--lr", "0.0005"]
+
+
+def options(req: Request) -> dict[str, list[list[str]]]:
+    """Each lever's settings as flags, for this architecture."""
+    from lowmem.dynamicconv.memory import model_args
+
+    tokens = req.tokens or req.batch * req.input[0]
+    freqs = [k for k in (2**i for i in range(UPDATE_FREQS)) if tokens // k // req.input[0] >= 1]
+    try:
+        has_ckpt = hasattr(model_args([*base_args(req), "--max-tokens", str(tokens)]), "checkpoint_activations")
+    except SystemExit:  # fairseq's parser exits on an unknown architecture
+        raise SpecError(f"fairseq has no architecture {req.spec.name!r} (fairseq-train --arch)") from None
+    plugin = req.spec.name == PLUGIN_ARCH
+    return {"precision": [[], *([["--precision", "mixed-bf16"], ["--precision", "half-bf16"]] if plugin else [["--fp16"]])],
+            "checkpoint": [[], *([["--checkpoint-activations"]] if has_ckpt else [])],
+            "microbatch": [["--max-tokens", str(tokens)] if k == 1 else ["--update-freq", str(k), "--max-tokens", str(tokens // k)]
+                           for k in freqs]}
+
+
+def measured(root: Path) -> dict[str, dict[str, Any]]:
+    """Options -> the DynamicConv study's sacreBLEU change and interval, for the options it trained."""
+    path = root / "figures" / "08_translation_techniques.csv"
+    if not path.exists():
+        return {}
+    df = pd.read_csv(path)
+    caption = (root / "figures" / "08_translation_techniques.md").read_text().split("`")
+    profile = caption[1] if len(caption) > 1 else "?"
+    # An --update-freq run is named by k alone: its --max-tokens is the study's T/k, as a plan's is the user's.
+    return {" ".join(r.options.split()[:2]) if r.options.startswith("--update-freq") else r.options: {"change": r.sacrebleu_change, "low": r.sacrebleu_change_low, "high": r.sacrebleu_change_high,
+                        "where": f"DynamicConv sacreBLEU, profile {profile}, 1 seed, bootstrap interval"}
+            for r in df.itertuples() if r.trained is True or str(r.trained) == "True"}
+
+
+def risk(flags: dict[str, list[str]], effects: dict[str, dict[str, Any]]) -> tuple[float, float, str]:
+    lossy = [" ".join(flags["precision"])] if flags["precision"] else []
+    if "--update-freq" in flags["microbatch"]:  # fairseq batches sentences anew at T/k tokens: not the same sum
+        lossy.append(" ".join(flags["microbatch"][:2]))
+    return combine([(opt, effects.get(opt)) for opt in lossy])
+
+
+def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str, Any]]:
+    """Per setting of precision and checkpointing, the least ``--update-freq`` that fits, found by bisection (the
+    peak falls as k grows), every accounted configuration with its recompute (FLOPs over the plain update's) and
+    quality risk; the least that fits is marked ``largest_fitting`` (its batches are the largest)."""
+    from lowmem.dynamicconv import memory as fairseq_memory
+
+    opts, effects = options(req), measured(root)
+    tokens, length = req.tokens or req.batch * req.input[0], req.input[0]
+
+    def flops(args: list[str]) -> int:
+        step, *_ = fairseq_memory.fairseq_step(args, req.vocab, req.vocab, tokens, length)
+        with FlopCounterMode(display=False) as counter, _HostScalars():  # fairseq reads the loss as a number
+            step(lambda _: None)
+        return counter.get_total_flops()
+
+    plain = flops([*base_args(req), *opts["microbatch"][0]])
+    recompute = {tuple(c): (flops([*base_args(req), *c, *opts["microbatch"][0]]) - plain) / plain if c else 0.0
+                 for c in opts["checkpoint"]}
+    out: list[dict[str, Any]] = []
+
+    def row(p: list[str], c: list[str], m: list[str]) -> dict[str, Any]:
+        args = [*p, *c, *m]
+        r = fairseq_memory.account([*base_args(req), *args], req.vocab, req.vocab, tokens, length)
+        change, low, label = risk({"precision": p, "checkpoint": c, "microbatch": m}, effects)
+        out.append({"precision": " ".join(p) or "fp32", "checkpoint": " ".join(c) or "none",
+                    "microbatch": " ".join(m), "activation_bits": 16 if p else 32, "peak_bytes": r.peak,
+                    "peak_phase": r.peak_phase, "recompute": recompute[tuple(c)], "time": 1 + recompute[tuple(c)],
+                    "time_source": "estimated (FLOP ratio)", "predicted_change": change, "predicted_low": low, "quality_risk": label,
+                    "how_to_apply": "fairseq-train " + " ".join([*base_args(req), *args]) + " (plus your data and recipe)",
+                    "tech": None, "segments": None, "largest_fitting": False})
+        return out[-1]
+
+    settings = [(p, c) for p in opts["precision"] for c in opts["checkpoint"]]
+    ms = opts["microbatch"]
+    for p, c in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+        seen: dict[int, dict[str, Any]] = {}
+
+        def fits(i: int) -> bool:
+            if i not in seen:
+                seen[i] = row(p, c, ms[i])
+            return seen[i]["peak_bytes"] <= budget
+
+        lo, hi = 0, len(ms) - 1
+        if fits(hi):
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if fits(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            seen[hi]["largest_fitting"] = True
+    return out
