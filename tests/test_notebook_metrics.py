@@ -129,3 +129,5 @@ def test_12_planner_reports_the_accountants_peak_and_only_configurations_that_fi
             assert not b["fits"] or b["least_peak_bytes"] <= plan.budget_bytes(budget)
     assert m["memtracker_worst_gap_pct"] == 0.0  # the smoke family (1-d convolutions) is accounted exactly
     assert [(r["model"], r["freed_share"]) for r in m["sac"]] == [(e["name"], s) for e in p.sac_models for s in crosscheck.FREED]
+    first = m["sac"][0]  # the smallest share is within both tools' reach, and each recomputes something for it
+    assert first["dp_gflop"] > 0 and first["sac_gflop"] > 0

@@ -143,8 +143,14 @@ def sac_graph(req: Request) -> tuple[Any, list[str], int]:
     # A module called twice in a forward pass (a torchvision Bottleneck's one ReLU, three times) is listed each time
     # in the execution orders, but its stats are one entry, which parse_module_info asserts; keep its first call.
     # Such modules are leaves, which the program never checkpoints.
+    leaves = {f"{top}.{n}" if n else top for n, m in model.named_modules() if not any(True for _ in m.children())}
     for order in ("fw_pre_order", "fw_post_order"):
-        info["mod_order"][order] = list(dict.fromkeys(info["mod_order"][order]))  # type: ignore[literal-required]
+        names = info["mod_order"][order]  # type: ignore[literal-required]
+        twice = {n for n in names if names.count(n) > 1}
+        if not twice <= leaves:
+            raise ValueError(f"modules {sorted(twice - leaves)} run twice in one forward pass and are not leaves; "
+                             "PyTorch's SAC graph cannot place them")
+        info["mod_order"][order] = list(dict.fromkeys(names))  # type: ignore[literal-required]
     graph = parse_module_info(info)
     return graph, blocks, get_peak_memory_runtime_baseline(graph)[0]
 
@@ -215,11 +221,15 @@ SAC_CAPTION = ("lowmem's DP checkpoint planner against PyTorch's SAC integer pro
                "a share of the accountant's saved activations of the model's chains of blocks. Both choose among the "
                "same units (the blocks) and both count runtime as FLOPs (torch.utils.flop_counter; PyTorch's own "
                "runtime estimators need an accelerator), so ops without a FLOP formula (BatchNorm, activations, adds) "
-               "recompute for free. Recompute in GFLOP per step. The DP recomputes whole segments of blocks; the ILP "
-               "discards a share of each block's activations, cheapest first (sac_mean_discarded), so it can free "
-               "memory by recomputing only what is free under this count. dp_accounted_freed_mib: the accountant's "
-               "peak of the plain step less that of the DP's placement. Blank: no placement frees that much under the tool's "
-               "own model of the peak.")
+               "recompute for free. Recompute in GFLOP per step. The budgets are equal in each tool's own model of "
+               "the peak, which differ: the DP's counts what every block stores plus the largest segment's "
+               "recomputed internals (a cautious bound: one checkpointed segment alone frees nothing in it); the "
+               "ILP's frees a discarded block's activations from its forward until its own backward. The DP's "
+               "placement is accounted on the real step (dp_accounted_freed_mib: the accountant's peak of the plain "
+               "step less that of the placement); the ILP's is not applied. The DP recomputes whole segments of "
+               "blocks; the ILP discards a share of each block's activations, cheapest first (sac_mean_discarded), "
+               "and is solved to within 5% of its optimum (sac_milp's gapRel). Blank: no placement frees that much "
+               "under the tool's own model.")
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--budget", required=True, help="e.g. 4GiB, 512MiB, 1.5GB (KiB/MiB/GiB: powers of 2; KB/MB/GB: of 10)")
     q.add_argument("--time", action="store_true", help="measure each fitting configuration's step time on the CPU")
     q.add_argument("--exact-only", action="store_true", help="only levers proven exact")
-    q.add_argument("--max-loss", type=float, help="drop configurations whose predicted quality loss exceeds this")
+    q.add_argument("--max-loss", type=float, help="drop configurations whose measured quality loss, at the low end of its 95%% interval, exceeds this (points or BLEU)")
     q.set_defaults(run=plan_cmd)
     args = ap.parse_args(argv)
     try:

@@ -41,7 +41,7 @@ from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
 from lowmem.techniques import checkpoint
-from lowmem.techniques.checkpoint import BlockCost, Segment
+from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
 
 UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -82,6 +82,8 @@ class Levers:
 def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool]]:
     """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques without checkpointing,
     whether the checkpoint placement is planned)."""
+    if not set(levers.checkpoint) <= set(CHECKPOINTS):
+        raise ValueError(f"checkpoint levers {levers.checkpoint} must be among {CHECKPOINTS}")
     return [(Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned")
             for p, c, b, a in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
                                                 microbatches(req.batch, levers.microbatch_steps), levers.activation_bits)]
@@ -198,19 +200,10 @@ def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None) 
 
 
 def pareto(df: pd.DataFrame) -> pd.Series:
-    """True where no other row is at least as good in peak, recompute and quality risk, and better in one."""
-    pts = df[["peak_bytes", "time", "risk_key"]].to_numpy(dtype=float)
+    """True where no other row is at least as good in peak, time, quality risk and exactness, and better in one."""
+    pts = df[["peak_bytes", "time", "risk_key", "lossy"]].to_numpy(dtype=float)
     return pd.Series([not any((q <= p).all() and (q < p).any() for j, q in enumerate(pts) if j != i)
                       for i, p in enumerate(pts)], index=df.index)
-
-
-def _scaled(costs: list[BlockCost], tech: Techniques) -> list[BlockCost]:
-    """Block costs with packed activations (``activation_bits``): the saved bytes shrink by bits over the element's
-    bits (the accountant then checks the placement on the real step)."""
-    if not tech.activation_bits:
-        return costs
-    f = tech.activation_bits / (32 if tech.precision == "fp32" else 16)
-    return [BlockCost(int(c.input_bytes * f), int(c.saved_bytes * f), c.flops) for c in costs]
 
 
 def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: bool = False,
@@ -226,6 +219,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
 
         return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root)), budget, exact_only, max_loss)
     cache = {} if cache is None else cache
+    if cache.setdefault("for", (req, root)) != (req, root):
+        raise ValueError(f"this cache holds the accounts of {cache['for'][0]}, not of {req}")
     model = models.build(req.spec, "meta")
     has_chains = bool(chains(model))
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
@@ -249,9 +244,12 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         return cache[key]
 
     def placed(tech: Techniques) -> dict[str, Any]:
-        """The checkpoint placement of least recompute that fits, among the DP planner's memory-recompute front
-        (lowmem.techniques.checkpoint.frontier), by the accountant: the planner's model of the peak is not the
-        accountant's, so the front (recompute rising, modelled peak falling) is bisected on accounted peaks."""
+        """The checkpoint placement that fits with the least recompute, among the DP planner's memory-recompute
+        front (lowmem.techniques.checkpoint.frontier), by the accountant. The planner's model of the peak is not
+        the accountant's, so the front (recompute rising, modelled peak falling) is bisected on accounted peaks:
+        the least recompute that fits where accounted peaks fall along the front too (tests/test_cli.py checks every
+        point of one model's front), not a proof for every model. The block costs are those of the forward pass
+        in the configuration's precision, without packed activations (the accountant then counts the packing)."""
         plain = row(tech)
         if plain["peak_bytes"] <= budget:
             return plain  # nothing to place
@@ -260,7 +258,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         if ckey not in cache:
             cache[ckey] = chain_costs(req, tech, mb)
         costs, lengths, _ = cache[ckey]
-        front = [p for p in checkpoint.frontier(_scaled(costs, tech), lengths) if p[1] > 0]
+        front = [p for p in checkpoint.frontier(costs, lengths) if p[1] > 0]
 
         def at(i: int) -> dict[str, Any]:
             return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.batch // mb))
@@ -315,13 +313,15 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
 def _choose(df: pd.DataFrame, budget: int, exact_only: bool, max_loss: float | None) -> Plan:
     """The plan of accounted rows ``df``: those marked largest_fitting, filtered, and their Pareto set."""
     # Exact first, then the smallest predicted loss; an unmeasured lever ranks below every measured one.
-    # Ranked by the low end of the measured interval (a gain is not credited: it ranks as exact, not above it).
+    # Ranked by the low end of the measured interval (a gain is not credited); whether a lever is lossy at all is a
+    # cost of its own, so a measured lever never stands for one proven exact.
     df["risk_key"] = df.predicted_low.map(lambda c: math.inf if math.isnan(c) else max(-c, 0.0))
+    df["lossy"] = (df.quality_risk != "exact").astype(float)
     ok = df[df.get("largest_fitting", pd.Series(False, index=df.index)).fillna(False).astype(bool)]
     if exact_only:
         ok = ok[ok.quality_risk == "exact"]
-    if max_loss is not None:  # an unmeasured lever's loss is unknown, so it does not pass
-        ok = ok[ok.predicted_change >= -max_loss]
+    if max_loss is not None:  # by the interval's low end; an unmeasured lever's loss is unknown, so it does not pass
+        ok = ok[ok.predicted_low >= -max_loss]
     if ok.empty:
         best = df.sort_values("peak_bytes").iloc[0]
         raise SpecError(f"no configuration fits {budget / 2**30:.3f} GiB{' with the filters given' if len(df[df.peak_bytes <= budget]) else ''}: "

@@ -61,8 +61,9 @@ def measured(root: Path) -> dict[str, dict[str, Any]]:
     if not path.exists():
         return {}
     df = pd.read_csv(path)
-    caption = (root / "figures" / "08_translation_techniques.md").read_text().split("`")
-    profile = caption[1] if len(caption) > 1 else "?"
+    md = root / "figures" / "08_translation_techniques.md"  # its caption names the profile
+    caption = md.read_text().split("`") if md.exists() else []
+    profile = caption[1] if len(caption) > 1 else "unknown"
     # An --update-freq run is named by k alone: its --max-tokens is the study's T/k, as a plan's is the user's.
     return {" ".join(r.options.split()[:2]) if r.options.startswith("--update-freq") else r.options: {"change": r.sacrebleu_change, "low": r.sacrebleu_change_low, "high": r.sacrebleu_change_high,
                         "where": f"DynamicConv sacreBLEU, profile {profile}, 1 seed, bootstrap interval"}
@@ -104,7 +105,8 @@ def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str
                     "microbatch": " ".join(m), "activation_bits": 16 if p else 32, "peak_bytes": r.peak,
                     "peak_phase": r.peak_phase, "recompute": recompute[tuple(c)], "time": 1 + recompute[tuple(c)],
                     "time_source": "estimated (FLOP ratio)", "predicted_change": change, "predicted_low": low, "quality_risk": label,
-                    "how_to_apply": "fairseq-train " + " ".join([*base_args(req), *args]) + " (plus your data and recipe)",
+                    "how_to_apply": "fairseq-train " + " ".join([*base_args(req), *args]) + " (plus your data and recipe)"
+                                    + (" (--fp16: CUDA only)" if "--fp16" in p else ""),
                     "tech": None, "segments": None, "largest_fitting": False})
         return out[-1]
 

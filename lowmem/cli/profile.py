@@ -137,8 +137,9 @@ def checkpoint_chains(model: nn.Module, spec: str = "none", segments: list[list[
 
 def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[BlockCost], list[int], list[str]]:
     """(block costs of every chain one after the other, each chain's length, each chain's name in the model) for a
-    microbatch of ``examples`` in ``tech``'s precision, on fake CPU tensors (the CPU's kernels, as ``account``):
-    what ``lowmem.techniques.checkpoint.frontier`` plans over."""
+    microbatch of ``examples`` in ``tech``'s precision (under autocast for mixed precision), on fake CPU tensors
+    (the CPU's kernels, as ``account``): what ``lowmem.techniques.checkpoint.frontier`` plans over. Packed
+    activations (``activation_bits``) are left out: the costs are relative, and the accountant counts the packing."""
     model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
     prec = precision.parse(tech.precision)
     found = chains(model)
@@ -150,11 +151,12 @@ def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[Blo
                  for i, (_, _, chain) in enumerate(found)]
         x, _ = models.batch(model, examples, req.input, req.vocab, "cpu", dtype=prec.dtype if prec.kind == "half" else torch.float32)
         inputs.clear()  # the probe of models.batch ran one example
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast(prec, "cpu"):
             model(x)
         for h in hooks:
             h.remove()
-        costs = [c for i, (_, _, chain) in enumerate(found) for c in block_costs(chain, inputs[i])]
+        with precision.autocast(prec, "cpu"):
+            costs = [c for i, (_, _, chain) in enumerate(found) for c in block_costs(chain, inputs[i])]
     return costs, [len(c) for _, _, c in found], [names[id(c)] for _, _, c in found]
 
 

@@ -97,6 +97,8 @@ def frontier(costs: list[BlockCost], lengths: list[int] | None = None) -> list[t
     a segment never crosses from one to the next (``split`` gives each chain its own segments back).
     """
     n = len(costs)
+    if lengths is not None and sum(lengths) != n:
+        raise ValueError(f"chains of lengths {lengths} hold {sum(lengths)} blocks, not the {n} costed")
     ends = set(itertools.accumulate(lengths or [n]))
     chain = [sum(e <= i for e in ends) for i in range(n)]  # which chain block i is in
     saved = [0] * (n + 1)
