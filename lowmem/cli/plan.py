@@ -27,6 +27,7 @@ import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,6 +207,21 @@ def pareto(df: pd.DataFrame) -> pd.Series:
                       for i, p in enumerate(pts)], index=df.index)
 
 
+def first_fitting(n: int, fits: Callable[[int], bool]) -> int | None:
+    """The first of indices 0..n-1 where ``fits``, by bisection (``fits`` false, then true, along them), or None
+    when the last does not fit."""
+    lo, hi = 0, n - 1
+    if not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
 def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: bool = False,
               max_loss: float | None = None, progress: bool = True, root: Path = ROOT, levers: Levers = Levers(),
               cache: dict[Any, dict[str, Any]] | None = None) -> Plan:
@@ -263,16 +279,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         def at(i: int) -> dict[str, Any]:
             return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.batch // mb))
 
-        lo, hi = 0, len(front) - 1
-        if at(hi)["peak_bytes"] > budget:
-            return at(hi)  # the least memory the planner reaches does not fit
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if at(mid)["peak_bytes"] <= budget:
-                hi = mid
-            else:
-                lo = mid + 1
-        return at(hi)
+        first = first_fitting(len(front), lambda i: at(i)["peak_bytes"] <= budget)
+        return at(len(front) - 1 if first is None else first)  # if none fits, the least memory the planner reaches
 
     # Per setting of the other levers, the largest microbatch that fits (microbatching costs time the FLOP ratio
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
@@ -289,15 +297,9 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                 rows.append(seen[i])
             return seen[i]["peak_bytes"] <= budget
 
-        lo, hi = 0, len(sizes) - 1
-        if fits(hi):
-            while lo < hi:  # the first index that fits, sizes[] running from the whole batch down
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            seen[hi]["largest_fitting"] = True
+        first = first_fitting(len(sizes), fits)  # sizes[] run from the whole batch down
+        if first is not None:
+            seen[first]["largest_fitting"] = True
     df = pd.DataFrame(rows)
     # A placement at a size where the plain step fits is the plain step: one row.
     df = df.loc[~df.drop(columns=["tech", "segments"]).astype(str).duplicated()]

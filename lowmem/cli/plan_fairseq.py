@@ -22,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from lowmem.cli.models import SpecError
-from lowmem.cli.plan import combine
+from lowmem.cli.plan import combine, first_fitting
 from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request, _HostScalars
 
 PLUGIN_ARCH = "lightconv_iwslt_de_en"  # the architecture lowmem's plugin extends (as lowmem_lightconv_iwslt_de_en)
@@ -120,13 +120,7 @@ def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str
                 seen[i] = row(p, c, ms[i])
             return seen[i]["peak_bytes"] <= budget
 
-        lo, hi = 0, len(ms) - 1
-        if fits(hi):
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if fits(mid):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            seen[hi]["largest_fitting"] = True
+        first = first_fitting(len(ms), fits)
+        if first is not None:
+            seen[first]["largest_fitting"] = True
     return out
