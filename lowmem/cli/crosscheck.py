@@ -205,15 +205,20 @@ def sac_ilp(req: Request, freed: tuple[float, ...] = FREED) -> list[dict[str, An
     return rows
 
 
-SAC_MODELS = {"WRN-28-2": Request("wrn:wrn-28-2", 128, (3, 32, 32), "sgd-momentum"),
-              "ResNet-50": Request("torchvision:resnet50", 32, (3, 224, 224), "sgd-momentum")}
-
-
 def sac_table(requests: list[Request] | None = None) -> Any:
-    """``sac_ilp``'s rows for ``requests`` (default: ``SAC_MODELS``)."""
+    """``sac_ilp``'s rows for ``requests`` (default: the planner stage's ``sac_models`` at the cpu profile, from
+    params.yaml: one list of models for the stage and this command)."""
     import pandas as pd
+    import yaml
 
-    return pd.DataFrame([r for req in (requests or SAC_MODELS.values()) for r in sac_ilp(req)])
+    from lowmem.cli import params  # which imports this module, for FAMILIES
+    from lowmem.config import PARAMS_YAML, resolve
+
+    if requests is None:
+        all_params = yaml.safe_load(PARAMS_YAML.read_text())
+        block = resolve("planner", {**all_params, "base": {**all_params["base"], "profile": "cpu"}})
+        requests = [params.request(m) for m in block["sac_models"]]
+    return pd.DataFrame([r for req in requests for r in sac_ilp(req)])
 
 
 SAC_CAPTION = ("lowmem's DP checkpoint planner against PyTorch's SAC integer program (torch.distributed._tools.sac_ilp, "

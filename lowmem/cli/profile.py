@@ -140,8 +140,8 @@ def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[Blo
     microbatch of ``examples`` in ``tech``'s precision (under autocast for mixed precision), on fake CPU tensors
     (the CPU's kernels, as ``account``): what ``lowmem.techniques.checkpoint.frontier`` plans over. Packed
     activations (``activation_bits``) are left out: the costs are relative, and the accountant counts the packing."""
-    model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
     prec = precision.parse(tech.precision)
+    model = precision.prepare(models.build(req.spec, "meta"), prec)
     found = chains(model)
     names = {id(m): n for n, m in model.named_modules()}
     inputs: dict[int, torch.Tensor] = {}
