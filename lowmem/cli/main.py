@@ -19,11 +19,12 @@ from lowmem.cli import models
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.profile import OPTIMIZERS, Request, account, gap_notes, measure
 from lowmem.memory.accounting import MIB
-from lowmem.techniques import optimizers
+from lowmem.techniques import optimizers, sharding
 
 
 def _request(args: argparse.Namespace) -> Request:
-    return Request(args.model, args.batch, shape(args.input) if args.input else (), args.optimizer, args.vocab, args.tokens)
+    return Request(args.model, args.batch, shape(args.input) if args.input else (), args.optimizer, args.vocab, args.tokens,
+                   args.devices, args.shard)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -34,6 +35,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, help="fairseq: tokens per batch (--max-tokens); default batch x length")
     p.add_argument("--optimizer", default="sgd-momentum",
                    help=f"one of {', '.join([*OPTIMIZERS, *optimizers.OPTIMIZERS[1:]])} (fairseq: sgd, sgd-momentum, adam, adafactor)")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel devices the batch is split over; memory is per device")
+    p.add_argument("--shard", default="replicate", choices=list(sharding.MODES),
+                   help="what the devices shard: " + "; ".join(f"{k} = {v}" for k, v in sharding.MODES.items()))
 
 
 def profile_cmd(args: argparse.Namespace) -> int:
@@ -51,7 +55,8 @@ def profile_cmd(args: argparse.Namespace) -> int:
                           "seconds": round(seconds, 2)}, indent=2))
         return 0
     where = "fairseq's update" if req.spec.kind == "fairseq" else "tensors without values (fake CPU tensors)"
-    print(f"{req.model}, batch {req.batch}, input {'x'.join(map(str, req.input))}, {req.optimizer}: one training step "
+    per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peak per device" if req.devices > 1 else ""
+    print(f"{req.model}, batch {req.batch}{per}, input {'x'.join(map(str, req.input))}, {req.optimizer}: one training step "
           f"accounted at full size on {where} in {seconds:.1f} s; peak {report.peak / MIB:.1f} MiB in the "
           f"{report.peak_phase} phase.\n")
     print(report.table())
@@ -68,7 +73,8 @@ def plan_cmd(args: argparse.Namespace) -> int:
     budget = planner.budget_bytes(args.budget)
     p = planner.make_plan(req, budget, time_steps=args.time, exact_only=args.exact_only, max_loss=args.max_loss)
     fitting = int(p.rows.get("largest_fitting", p.rows.peak_bytes < 0).fillna(False).astype(bool).sum())
-    print(f"{req.model}, batch {req.batch}, {req.optimizer}: {len(p.rows)} configurations accounted; {fitting} settings "
+    per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peaks per device" if req.devices > 1 else ""
+    print(f"{req.model}, batch {req.batch}{per}, {req.optimizer}: {len(p.rows)} configurations accounted; {fitting} settings "
           f"of the other levers fit {args.budget} at some microbatch (the largest that fits is kept); the Pareto set "
           "over peak, time and quality risk:\n")
     print(planner.table(p))

@@ -87,7 +87,7 @@ def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tupl
         raise ValueError(f"checkpoint levers {levers.checkpoint} must be among {CHECKPOINTS}")
     return [(Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned")
             for p, c, b, a in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
-                                                microbatches(req.batch, levers.microbatch_steps), levers.activation_bits)]
+                                                microbatches(req.device_batch, levers.microbatch_steps), levers.activation_bits)]
 
 
 # --- quality risk: what this project measured of each lossy lever ----------------------------------------------
@@ -159,17 +159,23 @@ def combine(lossy: list[tuple[str, dict[str, Any] | None]]) -> tuple[float, floa
 # --- recompute ---------------------------------------------------------------------------------------------------
 
 
+def one_device(req: Request) -> Request:
+    """The step one device of ``req`` computes, on its own: its share of the batch, without the sharding wrappers
+    (FLOPs and compute time do not depend on them)."""
+    return dataclasses.replace(req, batch=req.device_batch, devices=1, shard="replicate")
+
+
 def step_flops(req: Request, checkpoint: str) -> int:
-    """FLOPs of one fp32 step with ``checkpoint`` (torch.utils.flop_counter, on meta)."""
-    step, *_ = step_of(req, Techniques(checkpoint=checkpoint), "meta")
+    """FLOPs of one device's fp32 step with ``checkpoint`` (torch.utils.flop_counter, on meta)."""
+    step, *_ = step_of(one_device(req), Techniques(checkpoint=checkpoint), "meta")
     with FlopCounterMode(display=False) as counter:
         step(lambda _: None)
     return counter.get_total_flops()
 
 
 def step_seconds(req: Request, tech: Techniques, segments: list[list[Segment]] | None = None, repeats: int = 2) -> float:
-    """Median seconds of a real step on the CPU, after a warm-up step."""
-    step, *_ = step_of(req, tech, "cpu", segments=segments)
+    """Median seconds of one device's real step on the CPU, after a warm-up step (without communication)."""
+    step, *_ = step_of(one_device(req), tech, "cpu", segments=segments)
     step(lambda _: None)
     times = []
     for _ in range(repeats):
@@ -248,7 +254,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     def row(tech: Techniques, segments: list[list[Segment]] | None = None, recompute: int = 0) -> dict[str, Any]:
         key = (tech, repr(segments))
         if key not in cache:
-            b, B = tech.microbatch, req.batch
+            b, B = tech.microbatch, req.device_batch
             r = account(req, tech, examples=3 * b if b and B // b > 3 else None, segments=segments)
             change, low, label = risk(tech, has_bn, effects)
             cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
@@ -269,7 +275,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         plain = row(tech)
         if plain["peak_bytes"] <= budget:
             return plain  # nothing to place
-        mb = tech.microbatch or req.batch
+        mb = tech.microbatch or req.device_batch
         ckey = ("costs", tech.precision, mb)
         if ckey not in cache:
             cache[ckey] = chain_costs(req, tech, mb)
@@ -277,7 +283,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         front = [p for p in checkpoint.frontier(costs, lengths) if p[1] > 0]
 
         def at(i: int) -> dict[str, Any]:
-            return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.batch // mb))
+            return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.device_batch // mb))
 
         first = first_fitting(len(front), lambda i: at(i)["peak_bytes"] <= budget)
         return at(len(front) - 1 if first is None else first)  # if none fits, the least memory the planner reaches
@@ -285,7 +291,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     # Per setting of the other levers, the largest microbatch that fits (microbatching costs time the FLOP ratio
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
     rows: list[dict[str, Any]] = []
-    sizes = microbatches(req.batch, levers.microbatch_steps)
+    sizes = microbatches(req.device_batch, levers.microbatch_steps)
     settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
     for base, planned in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}

@@ -24,7 +24,7 @@ from lowmem.cli import models
 from lowmem.cli.models import Spec, SpecError
 from lowmem.memory.accounting import MemoryReport, Workspace, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
-from lowmem.techniques import optimizers, precision
+from lowmem.techniques import optimizers, precision, sharding
 from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan
 from lowmem.techniques.step import Techniques, train_step
 
@@ -59,6 +59,8 @@ class Request:
     optimizer: str = "sgd-momentum"
     vocab: int | None = None  # token models: ids drawn below this; fairseq: both dictionaries' size
     tokens: int | None = None  # fairseq: tokens per batch (--max-tokens); default batch x length
+    devices: int = 1  # data-parallel devices the batch is split over (lowmem.techniques.sharding); accounted per device
+    shard: str = "replicate"  # what they shard: one of lowmem.techniques.sharding.MODES
 
     def __post_init__(self) -> None:
         spec = models.parse(self.model)
@@ -72,6 +74,22 @@ class Request:
             raise SpecError("a fairseq model needs --input LENGTH (tokens per sentence) and --vocab SIZE")
         if spec.kind != "fairseq" and not self.input:
             raise SpecError("give one example's shape with --input, e.g. 3x224x224 (or a length with --vocab for token ids)")
+        try:
+            self.sharding.per_device(self.batch if spec.kind != "fairseq" else _tokens(self))
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+
+    @property
+    def sharding(self) -> sharding.Sharding:
+        try:
+            return sharding.Sharding(self.devices, self.shard)
+        except ValueError as e:
+            raise SpecError(f"{e} (--devices, --shard)") from None
+
+    @property
+    def device_batch(self) -> int:
+        """Examples one device steps on: the batch split over ``devices``."""
+        return self.sharding.per_device(self.batch)
 
     @property
     def spec(self) -> Spec:
@@ -84,10 +102,15 @@ def gap_notes(model: nn.Module) -> list[str]:
             if any(isinstance(m, kind) for m in model.modules())]
 
 
-def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    if name in OPTIMIZERS:
-        return OPTIMIZERS[name](model.parameters())
-    return optimizers.make(model.parameters(), name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
+def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = sharding.Sharding(), accounting: bool = False
+                   ) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``model``'s parameters, sharded as ``shard`` says (ZeRO-1)."""
+    def make(params: Any) -> torch.optim.Optimizer:
+        if name in OPTIMIZERS:
+            return OPTIMIZERS[name](params)
+        return optimizers.make(params, name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
+
+    return sharding.optimizer(model, shard, make, accounting)
 
 
 class _HostScalars(TorchDispatchMode):
@@ -174,8 +197,9 @@ def step_of(req: Request, tech: Techniques, device: torch.device | str, examples
         model = precision.prepare(models.build(req.spec, device), prec)
     checkpoint_chains(model, tech.checkpoint, segments)
     # A float batch in the model's dtype (16-bit in half mode; autocast casts it itself in mixed mode).
-    x, y = models.batch(model, req.batch, req.input, req.vocab, device, dtype=prec.dtype if prec.kind == "half" else torch.float32)
-    opt = make_optimizer(req.optimizer, model)
+    x, y = models.batch(model, req.device_batch, req.input, req.vocab, device, dtype=prec.dtype if prec.kind == "half" else torch.float32)
+    model = sharding.wrap(model, req.sharding, accounting=True)
+    opt = make_optimizer(req.optimizer, model, req.sharding, accounting=True)
     scaler = precision.make_scaler(prec, torch.device(device).type, sync=False)
 
     def step(mark: Callable[[str], None]) -> None:
@@ -224,17 +248,23 @@ def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace 
     # Built on meta first: a model that deep-copies its layers (nn.TransformerEncoder) would copy fake tensors
     # into a fake mode of their own, which PyTorch cannot mix.
     model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
-    ctx, device = _shapes(shapes, tech)
-    with ctx:
+    shard = req.sharding
+    # FSDP2 places its shards on a device mesh of a real device type, so a sharded step is accounted on fake CPU
+    # tensors, beside a fake process group (lowmem.techniques.sharding.fake_group).
+    ctx, device = _shapes("cpu" if shard.active else shapes, tech)
+    with ctx, sharding.fake_group(shard.devices) if shard.active else nullcontext():
         if device.type != "meta":
             model.to_empty(device=device)
         step, model, opt, batch = step_of(req, tech, device, examples, model, segments)
-        return account_step(step, model, opt, batch, workspace=workspace)
+        return account_step(step, model, opt, batch, workspace=workspace, held=sharding.held_buckets(model, shard))
 
 
 def measure(req: Request, tech: Techniques = Techniques()) -> tuple[MemoryReport, int | None]:
     """(``account``'s report with the step's peak measured on the CPU beside it (``lowmem.memory.measure``), the
     account with each op's CPU workspace added, where the step is not fairseq's)."""
+    if req.sharding.active:
+        raise SpecError("--measure runs one process; a sharded step is measured by torchrun processes "
+                        "(python -m lowmem.studies.sharding_run, README 'Past one device')")
     report, with_workspace = account(req, tech), None
     if req.spec.kind == "fairseq":
         from lowmem.dynamicconv import memory as fairseq_memory

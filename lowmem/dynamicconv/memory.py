@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, StepFn, StorageFormat, account_step, dense
 from lowmem.memory.measure import measure_step
-from lowmem.techniques import precision, sparsity
+from lowmem.techniques import precision, sharding, sparsity
 
 _root_level = logging.getLogger().level
 from fairseq import optim  # noqa: E402
@@ -114,14 +114,18 @@ class _OptimizerView:
 
 
 def fairseq_step(
-    train_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta"
+    train_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta",
+    shard: sharding.Sharding = sharding.Sharding(),
 ) -> tuple[StepFn, torch.nn.Module, Any, list[torch.Tensor]]:
     """One update as fairseq-train takes it for ``train_args`` (the recipe plus any technique's options): for each
     of ``--update-freq`` k batches, criterion forward and backward (loss-scaled under --fp16); then gradients
     divided by the tokens, and the optimizer step. The update sees ``tokens`` tokens in k batches of
     ``tokens // k // length`` sentence pairs of ``length`` tokens each side. Returns (step, model, optimizer view,
     batch tensors). fairseq's gradient-norm computation (--clip-norm 0: logging only, one scalar per parameter)
-    is left out: fairseq moves those scalars to the CPU, which meta tensors cannot do."""
+    is left out: fairseq moves those scalars to the CPU, which meta tensors cannot do. ``shard``: one of
+    ``shard.devices`` devices, each updating on ``tokens`` of its own, wrapped for accounting as
+    ``lowmem.techniques.sharding.wrap`` says (the ZeRO-1 mode shards fairseq's own Adam with torch's
+    ZeroRedundancyOptimizer: fairseq 0.12's --zero-sharding needs fairscale)."""
     # The recipe's Adam when the command names no optimizer (a later --optimizer overrides it).
     args, cfg = training_options(["--optimizer", "adam", *train_args])
     k = cfg.optimization.update_freq[0]
@@ -133,10 +137,14 @@ def fairseq_step(
     if cfg.common.fp16:
         model = model.half()
     model.train()
+    model = sharding.wrap(model, shard, accounting=True)
     criterion = LabelSmoothedCrossEntropyCriterion(task, sentence_avg=False, label_smoothing=0.1)
     # fairseq's own optimizer: Adam keeps fp32 exp_avg and exp_avg_sq per parameter, even for fp16 weights. Its
     # hyperparameters do not change the memory.
     optimizer = build_optimizer(cfg, model)
+    if shard.active and shard.mode == "optimizer":
+        inner = optimizer._optimizer
+        optimizer._optimizer = sharding.optimizer(model, shard, type(inner), accounting=True, **inner.defaults)
     nspecial = task.target_dictionary.nspecial
     samples, inputs = [], []
     for _ in range(k):
@@ -194,27 +202,32 @@ def _shapes_as_sizes() -> Iterator[None]:
         onnx_ops.shape_as_tensor = real
 
 
-def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0) -> MemoryReport:
-    """The accountant's report of one update. Under the plugin's ``--precision mixed-bf16`` the meta device becomes
-    fake CPU tensors, as on the WRN track (``lowmem.techniques.precision.shapes_only``): autocast acts on a device
-    type, and meta is none."""
+def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0,
+            shard: sharding.Sharding = sharding.Sharding()) -> MemoryReport:
+    """The accountant's report of one update (on one of ``shard.devices`` devices, of ``tokens`` tokens: the
+    device's share). Under the plugin's ``--precision mixed-bf16``, and for a sharded update (FSDP2 places shards
+    on a mesh of a real device type), the meta device becomes fake CPU tensors, as on the WRN track
+    (``lowmem.techniques.precision.shapes_only``): autocast acts on a device type, and meta is none."""
     ctx: Any = nullcontext()
     if device == "meta":
         mode = getattr(model_args(recipe_args), "precision", None) or "fp32"
-        if mode == "mixed-bf16":
+        if mode == "mixed-bf16" or shard.active:
             if "--sparsity" in recipe_args:
                 # sparsify draws its pattern from values, which fake tensors do not have (lowmem.wrn.memory lays a
                 # WRN's pattern out on meta first; the plugin builds its model in one go).
-                raise ValueError("--precision mixed-bf16 with --sparsity cannot be accounted; account "
-                                 "--precision half-bf16 with --sparsity, or mixed-bf16 alone")
-            fake, dev = precision.shapes_only(precision.parse(mode))
+                raise ValueError("--sparsity cannot be accounted with --precision mixed-bf16 or on several devices "
+                                 "(both need fake tensors); account --precision half-bf16 with --sparsity on one device")
+            fake, dev = precision.shapes_only(precision.parse("mixed-bf16"))  # fake CPU tensors
             ctx, device = ExitStack(), str(dev)
             ctx.enter_context(fake)
             ctx.enter_context(_shapes_as_sizes())
+            if shard.active:
+                ctx.enter_context(sharding.fake_group(shard.devices))
     with ctx:
-        step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device)
+        step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device, shard)
         with _Unpadded():
-            return account_step(step, model, opt, batch, storage_format(model))  # type: ignore[arg-type]
+            return account_step(step, model, opt, batch, storage_format(model),  # type: ignore[arg-type]
+                                held=sharding.held_buckets(model, shard))
 
 
 def measure(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0) -> tuple[int, str]:

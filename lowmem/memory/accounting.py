@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("model", "gradients", "optimizer", "activations", "other")
@@ -129,12 +129,18 @@ class _Ledger(TorchDispatchMode):
         self.phase = "setup"
         self._live: dict[int, int] = {}  # id(storage) -> record index
         self._refs: dict[int, weakref.ref] = {}
+        self._resizable: dict[int, tuple[torch.UntypedStorage, StorageRecord]] = {}  # see ``resizable``
 
     def _event(self) -> int:
         self.phases.append(self.phase)
         return len(self.phases) - 1
 
     def track(self, t: torch.Tensor, role: str = "", name: str = "") -> StorageRecord | None:
+        if is_traceable_wrapper_subclass(t):
+            # A DTensor (FSDP2's sharded parameter) holds no storage of its own: its bytes are its local shard's.
+            inner = [self.track(x, role, name) for a in t.__tensor_flatten__()[0]
+                     if isinstance(x := getattr(t, a), torch.Tensor)]
+            return inner[0] if len(inner) == 1 else None
         if t.layout != torch.strided:
             return None
         st = t.untyped_storage()
@@ -155,13 +161,40 @@ class _Ledger(TorchDispatchMode):
             rec.role, rec.name = role, name
         return rec
 
+    def watch(self, t: torch.Tensor, role: str, name: str) -> None:
+        st = t.untyped_storage()
+        rec = self.track(t, role, name) if st.nbytes() else None
+        self._resizable.setdefault(id(st), (st, rec or StorageRecord(0, t.dtype, 0, self._event(), free=0, role=role, name=name)))
+
+    def _resized(self) -> None:
+        # A storage resized in place (FSDP2 frees and refills its unsharded parameters so) keeps its Python object,
+        # so no weakref fires: its size is compared at each op instead.
+        for key, (st, rec) in self._resizable.items():
+            n = st.nbytes()
+            if n == (rec.nbytes if rec.free is None else 0):
+                continue
+            if rec.free is None:
+                rec.free = self._event()
+            if n:
+                new = StorageRecord(n, rec.dtype, n // rec.dtype.itemsize, self._event(), role=rec.role, name=rec.name)
+                self.records.append(new)
+                self._live[key] = len(self.records) - 1
+                rec = new
+            else:
+                self._live.pop(key, None)
+            self._resizable[key] = (st, rec)
+
     def _freed(self, key: int, idx: int) -> None:
         self.records[idx].free = self._event()
         self._live.pop(key, None)
         self._refs.pop(key, None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if self._resizable:
+            self._resized()
         out = func(*args, **(kwargs or {}))
+        if self._resizable:
+            self._resized()
         role, name = "", ""
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor):
             # A cast of a parameter is autocast's working copy of a weight (mixed precision): model memory.
@@ -209,6 +242,14 @@ def saved(t: torch.Tensor) -> None:
             rec.saved = True
 
 
+def resizable(t: torch.Tensor, role: str, name: str = "") -> None:
+    """Tells the accountings in progress that ``t``'s storage is resized in place, and what it holds. For FSDP2's
+    unsharded parameters (``lowmem.techniques.sharding``): FSDP2 frees them after use by resizing their storage to
+    0 bytes and refills the same storage before the next use, which no op the accountant sees does."""
+    for ledger, _ in _ledgers:
+        ledger.watch(t, role, name)
+
+
 @contextmanager
 def recomputing() -> Iterator[None]:
     """Marks tensors created inside as recomputed activations (entered by ``lowmem.techniques.checkpoint`` on recompute)."""
@@ -234,7 +275,7 @@ def forward_saved_bytes(module: nn.Module, *inputs: torch.Tensor) -> int:
 def _categorize(rec: StorageRecord) -> str:
     if rec.role in ("param", "buffer", "weight-copy"):
         return "model"
-    if rec.role == "grad":
+    if rec.role in ("grad", "bucket"):
         return "gradients"
     if rec.role == "state":
         return "optimizer"
@@ -261,12 +302,15 @@ def account_step(
     fmt: StorageFormat = dense,
     warmup: bool = True,
     workspace: Workspace | None = None,
+    held: Iterable[tuple[str, torch.Tensor]] = (),
 ) -> MemoryReport:
     """Accounts one call of ``step(mark)``, a full training step that calls ``mark(phase)`` as it enters each phase.
 
     With ``warmup`` the step runs once untracked first, so optimizer state that is created lazily exists, as it
     does in every step but the first. This updates the model like any training step. ``workspace``, if given,
-    adds each op's internal workspace (counted as "other") at the moment the op runs.
+    adds each op's internal workspace (counted as "other") at the moment the op runs. ``held``: (role, tensor)
+    that a wrapper keeps for the whole step beyond the model and optimizer (role "bucket": DDP's gradient buckets,
+    ``lowmem.techniques.sharding``).
     """
     if warmup:
         step(lambda _: None)
@@ -283,6 +327,8 @@ def account_step(
         ledger.track(s, "state", n)
     for x in inputs:
         ledger.track(x, "input", "batch")
+    for role, t in held:
+        ledger.track(t, role)
 
     def mark(phase: str) -> None:
         if phase not in PHASES:

@@ -96,8 +96,9 @@ class CPUWorkspace:
         return base.as_strided(a.shape, a.stride())
 
     # Ops that random inputs must not drive: oneDNN's recurrent backward reads the forward's opaque workspace, and
-    # a random one crashes the process (seen with nn.LSTM). Their workspace is taken as none.
-    UNSAFE = ("mkldnn_rnn_layer_backward",)
+    # a random one crashes the process (seen with nn.LSTM); a collective run again by one rank alone would pair with
+    # the other ranks' next one (GlooWorkspace counts a collective's buffer). Their workspace is taken as none here.
+    UNSAFE = ("mkldnn_rnn_layer_backward", "c10d.")
 
     def _measure(self, func: Any, args: tuple, kwargs: dict) -> int:
         if any(name in str(func) for name in self.UNSAFE):
@@ -130,3 +131,23 @@ def _peak_of(prof: profile) -> int:
         running += e.nbytes()
         peak = max(peak, running)
     return peak
+
+
+class GlooWorkspace:
+    """The flat buffer gloo allocates inside a collective on CPU tensors: an all-gather into one tensor gathers into
+    a temporary the size of its output, and a reduce-scatter from one tensor reduces a temporary the size of its
+    input, both through PyTorch's CPU allocator (tests/test_sharding.py measures them on two gloo processes). NCCL
+    on a GPU works in place, so this belongs to the CPU runs only: add it to the account when comparing with them.
+    The accountant sees the collectives as ops with a fake process group (``lowmem.techniques.sharding``)."""
+
+    def __call__(self, func: Any, args: tuple, kwargs: dict) -> int:
+        if func is torch.ops.c10d._allgather_base_.default:
+            return args[0].untyped_storage().nbytes()
+        if func is torch.ops.c10d._reduce_scatter_base_.default:
+            return args[1].untyped_storage().nbytes()
+        return 0
+
+
+def workspaces(*parts: Any) -> Any:
+    """One workspace that adds up several (``CPUWorkspace()`` and ``GlooWorkspace()`` for a gloo run)."""
+    return lambda func, args, kwargs: sum(w(func, args, kwargs) for w in parts)
