@@ -55,7 +55,7 @@ def test_cli_stops_before_writing_anything(tmp_path: Path, capsys: pytest.Captur
 def test_one_resolver_serves_every_stage_of_both_tracks() -> None:
     assert set(STAGES) == {"memory_profile", "baseline", "checkpointing", "microbatching", "precision", "sparsity",
                            "translation_data", "translation_train", "translation_evaluate", "translation_memory",
-                           "translation_techniques", "proxy_noise", "planner"}
+                           "translation_techniques", "proxy_noise", "planner", "sharding"}
     cpu = {**PARAMS, "base": {**PARAMS["base"], "profile": "cpu"}}
     techniques = resolve("translation_techniques", cpu)
     # FROM: read from the translation_train block; INHERITS: the baseline block resolved whole.
