@@ -131,3 +131,12 @@ def test_12_planner_reports_the_accountants_peak_and_only_configurations_that_fi
     assert [(r["model"], r["freed_share"]) for r in m["sac"]] == [(e["name"], s) for e in p.sac_models for s in crosscheck.FREED]
     first = m["sac"][0]  # the smallest share is within both tools' reach, and each recomputes something for it
     assert first["dp_gflop"] > 0 and first["sac_gflop"] > 0
+
+
+def test_13_sharding_reports_per_device_peaks_that_fall_with_devices_and_a_step_equal_to_one_process(notebook_metrics: Callable[[str, str], dict]) -> None:
+    m = notebook_metrics("13_sharding", "sharding")
+    for setting, got in m["per_device"].items():
+        for mode, by_devices in got["by_mode"].items():
+            assert all(r["peak_bytes"] < got["single_device_peak_bytes"] for r in by_devices.values()), (setting, mode)
+    assert all(r["max_abs_diff"] <= 1e-6 * r["max_abs_step"] for r in m["gloo_run"])
+    assert all(abs(r["gap_pct"]) <= 2 for r in m["gloo_run"] if r["mode"] in ("replicate", "optimizer"))

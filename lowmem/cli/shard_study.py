@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from tqdm.auto import tqdm
 
 from lowmem.cli import shard_run
@@ -156,13 +157,17 @@ def figure(p: ShardingParams, res: dict[str, pd.DataFrame]) -> Figure:
                         xytext=(4, 0), textcoords="offset points", fontsize=7, va="center")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_xticks(p.devices, [str(d) for d in p.devices])
         ax.set_xlabel("devices (global batch fixed, split among them)")
         ax.set_ylabel("peak memory per device, MiB (log)")
         ax.margins(x=0.3)
-    axes[0].set_title(f"(a) {p.wrn['name']}, batch {p.wrn['batch']} (line style: levers)")
+    axes[0].set_title(f"(a) {p.wrn['name']}, batch {p.wrn['batch']} (one line style per setting of the levers)")
     axes[1].set_title(f"(b) DynamicConv, {p.max_tokens} tokens per update")
-    axes[0].legend(fontsize=7, loc="lower left")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="upper center", bbox_to_anchor=(0.35, 0.02), ncol=2)
     m = res["measured"]
     y = np.arange(len(m))
     axes[2].barh(y + 0.2, m.measured_peak_bytes / MIB, height=0.4, color="0.6", label="measured (CPU allocator)")
@@ -175,9 +180,9 @@ def figure(p: ShardingParams, res: dict[str, pd.DataFrame]) -> Figure:
     axes[2].invert_yaxis()
     axes[2].set_xlabel("peak of the last step, MiB; the account's gap in %")
     axes[2].set_title(f"(c) Real run: {p.run_devices} gloo processes, batch {p.run_batch}")
-    axes[2].legend(fontsize=7, loc="lower left")
+    axes[2].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=1)
     axes[2].margins(x=0.2)
-    fig.text(0.01, -0.06, f"{_source(p)} (c): {p.wrn['name']} trained on this machine; gap goal {GAP_GOAL_PCT}%.", fontsize=8)
+    fig.text(0.01, -0.12, f"{_source(p)} (c): {p.wrn['name']} trained on this machine; gap goal {GAP_GOAL_PCT}%.", fontsize=8)
     fig.tight_layout()
     return fig
 
