@@ -207,3 +207,14 @@ def test_traffic_is_the_ring_collectives_volume():
     assert sharding.traffic_bytes(1000, n) == 2 * 3 * 1000 // 4
     assert sharding.traffic_bytes(1000, sharding.Sharding(4, "full")) == 3 * 3 * 1000 // 4
     assert sharding.traffic_bytes(1000, sharding.Sharding(1)) == 0
+
+
+@pytest.mark.parametrize("mode", sharding.FSDP_MODES)
+def test_the_per_device_account_equals_fsdpmemtrackers(mode):
+    from lowmem.cli import crosscheck
+
+    # Equal to the byte for WRN-28-2 at batch 128 (stage sharding's table); at this size the account is 128 KiB / N
+    # above FSDPMemTracker's, a difference not yet traced (README, "Past one device"), within 2%.
+    req = _req(2, mode)
+    ours, theirs = profile.account(req).peak, crosscheck.fsdp_memtracker(req)
+    assert abs(ours - theirs) <= 0.02 * theirs

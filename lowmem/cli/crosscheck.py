@@ -252,3 +252,47 @@ if __name__ == "__main__":
             t = make()
             t.to_csv(out.with_suffix(".csv"), index=False)
             out.write_text(caption + "\n\n" + t.round(2).to_markdown(index=False) + "\n")
+
+
+# --- FSDPMemTracker: the per-device account of a sharded step --------------------------------------------------
+
+
+def fsdp_memtracker(req: Request) -> int:
+    """The peak of one device's step of ``req`` (an FSDP2 mode, ``req.devices`` > 1) by PyTorch's FSDPMemTracker
+    (``torch.distributed._tools.fsdp2_mem_tracker``), on fake CPU tensors with the fake process group, after one
+    warm-up step (so the optimizer state exists, as in the accountant's step)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    from lowmem.cli.profile import make_optimizer
+    from lowmem.techniques import sharding
+    from lowmem.techniques.step import train_step
+
+    shard = req.sharding
+    if shard.mode not in sharding.FSDP_MODES or not shard.active:
+        raise ValueError(f"FSDPMemTracker tracks FSDP2 modules: use devices > 1 and one of {sharding.FSDP_MODES}")
+    model = models.build(req.spec, "meta")
+    with FakeTensorMode(allow_non_fake_inputs=True), sharding.fake_group(shard.devices):
+        model.to_empty(device="cpu")
+        x, y = models.batch(model, req.device_batch, req.input, req.vocab, "cpu")
+        model = sharding.wrap(model, shard)
+        opt = make_optimizer(req.optimizer, model, shard)
+        train_step(model, opt, x, y)
+        opt.zero_grad(set_to_none=True)
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((x, y))
+        with tracker:
+            train_step(model, opt, x, y)
+        return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def fsdp_table(requests: list[Request]) -> Any:
+    """The accountant's per-device peak against FSDPMemTracker's, per request."""
+    import pandas as pd
+
+    rows = []
+    for req in requests:
+        ours, theirs = account(req).peak, fsdp_memtracker(req)
+        rows.append({"model": req.model, "batch": req.batch, "devices": req.devices, "mode": req.shard,
+                     "accountant_mib": ours / 2**20, "fsdpmemtracker_mib": theirs / 2**20,
+                     "gap_pct": 100 * (ours - theirs) / theirs})
+    return pd.DataFrame(rows)

@@ -84,6 +84,12 @@ def plan_cmd(args: argparse.Namespace) -> int:
            "--time measures)."))
     print("quality risk: 'exact' = proven equal to the plain step by test; otherwise each lossy lever's effect as "
           "measured in this project, on the task and profile named, never on your model.")
+    if req.devices > 1 and req.spec.kind != "fairseq":
+        fp32 = sum(p.numel() * 4 for p in models.build(req.spec, "meta").parameters())
+        traffic = sharding.traffic_bytes(fp32, req.sharding)
+        print(f"communication: each device sends {traffic / MIB:.1f} MiB per step with fp32 weights (half that with "
+              "16-bit weights), ring collectives (lowmem.techniques.sharding.traffic_bytes); not in time, which is one "
+              "device's compute.")
     return 0
 
 

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from tqdm.auto import tqdm
 
-from lowmem.cli import shard_run
+from lowmem.cli import crosscheck, shard_run
 from lowmem.cli.params import ShardingParams, request
 from lowmem.cli.profile import Request, account
 from lowmem.dynamicconv import memory as fairseq_memory
@@ -95,7 +95,11 @@ def measured(p: ShardingParams, out: Path) -> pd.DataFrame:
 
 
 def run(p: ShardingParams, out: Path) -> dict[str, pd.DataFrame]:
-    return {"accounted": accounted(p), "measured": measured(p, out / "gloo_run")}
+    base = request(p.wrn)
+    fsdp = [Request(base.model, base.batch, base.input, base.optimizer, devices=d, shard=m)
+            for d in p.devices if d > 1 for m in p.modes if m in sharding.FSDP_MODES]
+    return {"accounted": accounted(p), "measured": measured(p, out / "gloo_run"),
+            "fsdpmemtracker": crosscheck.fsdp_table(fsdp)}
 
 
 def _source(p: ShardingParams) -> str:
@@ -120,6 +124,10 @@ def tables(p: ShardingParams, res: dict[str, pd.DataFrame]) -> dict[str, tuple[p
     for c in [c for c in keep if c.endswith("_bytes")]:
         shown_m[c.replace("_bytes", "_mib")] = (shown_m.pop(c) / MIB).round(3)
     return {
+        "13_sharding_fsdpmemtracker": (res["fsdpmemtracker"].round(3), f"Profile {p.profile}; {p.wrn['name']}'s "
+                                       "plain step per device in the FSDP2 modes: lowmem's accountant against PyTorch's "
+                                       "FSDPMemTracker (torch.distributed._tools.fsdp2_mem_tracker), both on fake CPU "
+                                       "tensors with the fake process group, after one warm-up step."),
         "13_sharding_per_device": (shown, f"{_source(p)} Per-device peak of one step, MiB, by category at the peak; "
                                    "reduction = the single device's peak over this one. traffic = bytes each device "
                                    "sends per step with ring collectives (lowmem.techniques.sharding.traffic_bytes). "
@@ -195,6 +203,7 @@ def metrics(p: ShardingParams, res: dict[str, pd.DataFrame]) -> dict[str, Any]:
             "single_device_peak_bytes": int(g[g.devices == 1].peak_bytes.iloc[0]),
             "by_mode": {mode: {str(r.devices): {"peak_bytes": int(r.peak_bytes), "reduction": round(float(r.reduction), 3)}
                                for r in gm.itertuples()} for mode, gm in g[g.devices > 1].groupby("mode", sort=False)}}
+    out["fsdpmemtracker_worst_gap_pct"] = float(res["fsdpmemtracker"].gap_pct.abs().max())
     out["gloo_run"] = [{"mode": r.mode, "rank": int(r.rank), "measured_peak_bytes": int(r.measured_peak_bytes),
                         "accounted_with_workspace_bytes": int(r.accounted_with_workspace_bytes),
                         "gap_pct": round(float(r.gap_pct), 3), "max_abs_diff": float(r.max_abs_diff),
