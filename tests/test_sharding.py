@@ -141,7 +141,7 @@ def test_plan_gives_per_device_peaks_for_a_torchvision_model():
 
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
-    return shard_run.launch(_req(2, "replicate"), list(sharding.MODES), tmp_path_factory.mktemp("gloo"), steps=2)
+    return shard_run.launch(_req(2, "replicate"), list(sharding.MODES), tmp_path_factory.mktemp("gloo"))
 
 
 @pytest.mark.slow
@@ -218,3 +218,14 @@ def test_the_per_device_account_equals_fsdpmemtrackers(mode):
     req = _req(2, mode)
     ours, theirs = profile.account(req).peak, crosscheck.fsdp_memtracker(req)
     assert abs(ours - theirs) <= 0.02 * theirs
+
+
+@pytest.mark.parametrize("mode", sharding.FSDP_MODES)
+def test_fsdp_measured_in_one_process_with_the_fake_group_is_the_account(mode):
+    # Real tensors and FSDP2's real step, collectives that move nothing: the CPU allocator's peak is the account
+    # with the CPU's op workspace (within 0.001%: one scalar of the harness).
+    from lowmem.memory.measure import CPUWorkspace
+
+    req = _req(2, mode)
+    measured = shard_run.one_process_peak(req)
+    assert abs(profile.account(req, workspace=CPUWorkspace()).peak - measured) <= 1e-5 * measured

@@ -87,7 +87,7 @@ class ShardingParams:
     reference_length: int = 32  # from translation_memory: tokens per sentence
     run_batch: int = 4  # the gloo run's global batch (small: two processes share this machine's cores)
     run_devices: int = 2
-    run_steps: int = 3  # per mode; the last is measured, the first is not timed
+    run_steps: int = 4  # per mode; all but the first are measured and timed
     interconnects: dict[str, float] = field(default_factory=dict)  # name -> bytes per second, for the time estimate
 
     FROM = {"recipe_args": "translation_train", "max_tokens": "translation_train", "src_vocab": "translation_memory",

@@ -6,10 +6,12 @@ Each rank, for each sharding mode (``lowmem.techniques.sharding.MODES``): builds
 wraps it (DDP, DDP + ZeroRedundancyOptimizer, FSDP2), takes its share of one global batch and trains ``--steps``
 steps. It writes ``DIR/rank<R>.json`` with, per mode:
 
-- ``measured_peak_bytes``: the peak of the last step as the CPU allocator saw it (``torch.profiler`` memory events,
-  as ``lowmem.memory.measure``), counting every tensor allocated since the model was built: weights, shards,
-  DDP's buckets, optimizer state, batch. Buffers that gloo allocates itself, outside PyTorch's allocator, are not in it;
-  ``lowmem.cli.shard_study`` sets it beside the accountant's per-device peak;
+- ``measured_peak_bytes``: the step's peak as the CPU allocator saw it (``torch.profiler``'s allocation events, as
+  ``lowmem.memory.measure``), counting every tensor allocated since the model was built: weights, shards, DDP's
+  buckets, optimizer state, batch. Every step after the first is measured; this is the lowest of them (the steady
+  state), ``measured_peak_max_bytes`` the highest (a late release can add to one step). ``measured_collective_bytes``:
+  the part of the peak allocated inside a collective (``c10d::*``, by the profiler's event tree): gloo's copies, which
+  live until its thread finishes the collective. ``lowmem.cli.shard_study`` sets these beside the account;
 - ``step_seconds``: the median wall time of the steps after the first, between barriers (on this machine's
   localhost: all ranks share its cores, so this is communication and wrapping overhead there, not an interconnect's);
 - ``max_abs_diff``: the largest difference of any parameter from one process stepping on the
@@ -26,6 +28,7 @@ fails on its own.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from lowmem.cli import models
@@ -71,18 +75,45 @@ def check(req: Request, modes: list[str]) -> None:
         sharding.check(models.build(req.spec, "meta"), sharding.Sharding(req.devices, m))
 
 
-def _peak_in(prof: profile) -> int:
-    """Bytes live at the highest point of the marked step: every allocator event since profiling began, summed."""
-    events = prof.profiler.kineto_results.events()
-    step = next(e for e in events if e.name() == MARK)
-    start, end = step.start_ns(), step.start_ns() + step.duration_ns()
-    running = peak = 0
-    for e in sorted((e for e in events if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU),
-                    key=lambda e: e.start_ns()):
-        running += e.nbytes()
-        if start <= e.start_ns() <= end:
-            peak = max(peak, running)
-    return peak
+def _peak_in(prof: profile) -> list[tuple[int, int]]:
+    """Per marked step: (bytes live at its highest point, of those allocated since profiling began; the part of them
+    allocated inside a collective, ``c10d::*``). A free of memory allocated before profiling (a previous mode's
+    model, released late by a reference cycle) is left out: it would lower the count by bytes this step never held.
+    Allocations are matched to their frees by address, and to the op that made them by the profiler's event tree
+    (its kineto events carry neither)."""
+    def walk(nodes: Any) -> Any:
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    def in_collective(node: Any) -> bool:
+        while node is not None:
+            if node.name.startswith("c10d::"):
+                return True
+            node = node.parent
+        return False
+
+    nodes = list(walk(prof.profiler.kineto_results.experimental_event_tree()))
+    steps = sorted((n for n in nodes if n.name == MARK), key=lambda n: n.start_time_ns)
+    allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu"),
+                    key=lambda n: n.start_time_ns)
+    live: dict[int, tuple[int, bool]] = {}
+    running = comm = 0
+    peaks = [(0, 0) for _ in steps]
+    for n in allocs:
+        size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
+        if size > 0:
+            live[ptr] = (size, in_collective(n))
+            running += size
+            comm += size if live[ptr][1] else 0
+        elif ptr in live:
+            size, c = live.pop(ptr)
+            running -= size
+            comm -= size if c else 0
+        for i, step in enumerate(steps):
+            if step.start_time_ns <= n.start_time_ns <= step.end_time_ns and running > peaks[i][0]:
+                peaks[i] = (running, comm)
+    return peaks
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -100,10 +131,12 @@ def _ledger_peak(req: Request, shard: sharding.Sharding, x: torch.Tensor, y: tor
     return report.peak
 
 
-def one_mode(req: Request, mode: str, steps: int, compare: bool) -> dict[str, Any]:
-    rank, n = dist.get_rank(), dist.get_world_size()
-    shard = sharding.Sharding(n, mode)
-    b = shard.per_device(req.batch)
+def _train(req: Request, shard: sharding.Sharding, steps: int
+           ) -> tuple[list[tuple[int, int]], list[float], Any, torch.Tensor, torch.Tensor]:
+    """(``_peak_in`` of each step after the first, seconds per step, model, this rank's batch) of ``steps`` steps
+    on the default process group, real or fake."""
+    rank, b = dist.get_rank(), shard.per_device(req.batch)
+    gc.collect()  # a previous mode's model, held by reference cycles (FSDP2 keeps some), goes before profiling
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = models.build(req.spec, "cpu", seed=0)
         x, y = models.batch(model, req.batch, req.input, req.vocab, "cpu")
@@ -114,12 +147,30 @@ def one_mode(req: Request, mode: str, steps: int, compare: bool) -> dict[str, An
         for i in range(steps):
             dist.barrier()
             t0 = time.perf_counter()
-            with record_function(MARK) if i == steps - 1 else nullcontext():
+            with record_function(MARK) if i > 0 else nullcontext():
                 train_step(model, opt, x, y)
             dist.barrier()
             times.append(time.perf_counter() - t0)
+    return _peak_in(prof), times, model, x, y
+
+
+def one_process_peak(req: Request, steps: int = 4) -> int:
+    """The measured peak of rank 0's step in one process, beside PyTorch's fake process group: real tensors, real
+    wrappers, collectives that move nothing. It separates the account of the wrappers' step from what real
+    collectives add (``lowmem.cli.shard_study`` sets both beside the account)."""
+    with sharding.fake_group(req.devices):
+        return min(_train(req, req.sharding, steps)[0])[0]
+
+
+def one_mode(req: Request, mode: str, steps: int, compare: bool) -> dict[str, Any]:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    shard = sharding.Sharding(n, mode)
+    b = shard.per_device(req.batch)
+    peaks, times, model, x, y = _train(req, shard, steps)
+    (peak, comm), highest = min(peaks), max(peaks)[0]
     row = {"mode": mode, "rank": rank, "devices": n, "batch": req.batch, "batch_per_device": b,
-           "measured_peak_bytes": _peak_in(prof), "step_seconds": sorted(times[1:])[len(times[1:]) // 2]}
+           "measured_peak_bytes": peak, "measured_collective_bytes": comm, "measured_peak_max_bytes": highest,
+           "step_seconds": sorted(times[1:])[len(times[1:]) // 2]}
     if mode in sharding.FSDP_MODES:
         row["ledger_peak_bytes"] = _ledger_peak(req, shard, x, y)
     if compare:
@@ -144,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input", default="3x32x32")
     ap.add_argument("--optimizer", default="sgd-momentum")
     ap.add_argument("--modes", default=",".join(sharding.MODES))
-    ap.add_argument("--steps", type=int, default=3, help="steps per mode; the last is measured, the first not timed")
+    ap.add_argument("--steps", type=int, default=4, help="steps per mode; all but the first are measured and timed")
     ap.add_argument("--compare", action="store_true", help="also step one process on the whole batch and compare")
     ap.add_argument("--fail-rank", type=int, default=-1, help="this rank raises after joining (tests: no rank may hang)")
     ap.add_argument("--out", required=True)
@@ -170,7 +221,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(req: Request, modes: list[str], out: Path, steps: int = 3, compare: bool = True, fail_rank: int = -1,
+def launch(req: Request, modes: list[str], out: Path, steps: int = 4, compare: bool = True, fail_rank: int = -1,
            timeout: float = 600) -> list[dict[str, Any]]:
     """Runs ``main`` on ``req.devices`` processes with torchrun; returns every rank's rows. Raises ValueError before
     starting anything that ``check`` refuses, and RuntimeError (with torchrun's output) if a rank fails."""
