@@ -164,7 +164,10 @@ def test_gloo_run_peaks_match_the_account(gloo_run):
             # The accountant run on the real processes and collectives sees the same bytes as with the fake group.
             assert row["ledger_peak_bytes"] == accounted, row
         else:
-            assert abs(accounted - row["measured_peak_bytes"]) <= 0.02 * row["measured_peak_bytes"], row
+            # Less what gloo holds for communication (DDP's constructor's flat broadcast copy, kept in some runs):
+            # the step's own bytes, against the account with the CPU's op workspace.
+            own = row["measured_peak_bytes"] - row["measured_collective_bytes"]
+            assert abs(profile.account(req, workspace=CPUWorkspace()).peak - own) <= 0.02 * own, row
 
 
 def _ours(tag: str) -> list[int]:

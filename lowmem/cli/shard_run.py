@@ -10,8 +10,8 @@ steps. It writes ``DIR/rank<R>.json`` with, per mode:
   ``lowmem.memory.measure``), counting every tensor allocated since the model was built: weights, shards, DDP's
   buckets, optimizer state, batch. Every step after the first is measured; this is the lowest of them (the steady
   state), ``measured_peak_max_bytes`` the highest (a late release can add to one step). ``measured_collective_bytes``:
-  the part of the peak allocated inside a collective (``c10d::*``, by the profiler's event tree): gloo's copies, which
-  live until its thread finishes the collective. ``lowmem.cli.shard_study`` sets these beside the account;
+  the part of the peak allocated inside a collective (``c10d::*``, by the profiler's event tree) or flattened for one
+  (DDP's broadcast of the weights at construction): gloo's copies, which live until gloo is done with them. ``lowmem.cli.shard_study`` sets these beside the account;
 - ``step_seconds``: the median wall time of the steps after the first, between barriers (on this machine's
   localhost: all ranks share its cores, so this is communication and wrapping overhead there, not an interconnect's);
 - ``max_abs_diff``: the largest difference of any parameter from one process stepping on the
@@ -77,7 +77,7 @@ def check(req: Request, modes: list[str]) -> None:
 
 def _peak_in(prof: profile) -> list[tuple[int, int]]:
     """Per marked step: (bytes live at its highest point, of those allocated since profiling began; the part of them
-    allocated inside a collective, ``c10d::*``). A free of memory allocated before profiling (a previous mode's
+    allocated inside a collective, ``c10d::*``, or flattened for one). A free of memory allocated before profiling (a previous mode's
     model, released late by a reference cycle) is left out: it would lower the count by bytes this step never held.
     Allocations are matched to their frees by address, and to the op that made them by the profiler's event tree
     (its kineto events carry neither)."""
@@ -87,8 +87,10 @@ def _peak_in(prof: profile) -> list[tuple[int, int]]:
             yield from walk(node.children)
 
     def in_collective(node: Any) -> bool:
+        # Inside a collective (gloo's copies), or flattened for one: DDP's constructor broadcasts rank 0's weights as
+        # one flat copy (torch's C++ _broadcast_coalesced), which gloo keeps alive into the steps in some runs.
         while node is not None:
-            if node.name.startswith("c10d::"):
+            if node.name.startswith("c10d::") or node.name == "aten::flatten_dense_tensors":
                 return True
             node = node.parent
         return False

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -103,11 +104,15 @@ def measured(p: ShardingParams, out: Path) -> pd.DataFrame:
     return rows
 
 
-def run(p: ShardingParams, out: Path) -> dict[str, pd.DataFrame]:
+def run(p: ShardingParams) -> dict[str, pd.DataFrame]:
+    """{accounted, measured, fsdpmemtracker}. The gloo run's per-rank files go to a temporary folder: their rows
+    are in ``measured``."""
     base = request(p.wrn)
     fsdp = [Request(base.model, base.batch, base.input, base.optimizer, devices=d, shard=m)
             for d in p.devices if d > 1 for m in p.modes if m in sharding.FSDP_MODES]
-    return {"accounted": accounted(p), "measured": measured(p, out / "gloo_run"),
+    with tempfile.TemporaryDirectory(prefix="lowmem-gloo-") as tmp:
+        gloo = measured(p, Path(tmp))
+    return {"accounted": accounted(p), "measured": gloo,
             "fsdpmemtracker": crosscheck.fsdp_table(fsdp)}
 
 
