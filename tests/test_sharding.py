@@ -232,3 +232,16 @@ def test_fsdp_measured_in_one_process_with_the_fake_group_is_the_account(mode):
     req = _req(2, mode)
     measured = shard_run.one_process_peak(req)
     assert abs(profile.account(req, workspace=CPUWorkspace()).peak - measured) <= 1e-5 * measured
+
+
+def test_a_fairseq_profile_over_devices_is_the_sharded_update_and_its_plan_is_refused():
+    from lowmem.dynamicconv import memory as fairseq_memory
+
+    req = Request("fairseq:lightconv_iwslt_de_en", 16, (16,), "adam", vocab=1000, devices=2, shard="full")
+    args = profile._fairseq_args(req, profile.Techniques())
+    shard = fairseq_memory.account(args, 1000, 1000, 16 * 16 // 2, 16, shard=req.sharding).peak
+    assert profile.account(req).peak == shard
+    one = Request("fairseq:lightconv_iwslt_de_en", 16, (16,), "adam", vocab=1000)
+    assert shard < profile.account(one).peak
+    with pytest.raises(SpecError, match="for one device"):
+        plan.make_plan(req, plan.budget_bytes("1GiB"), progress=False)

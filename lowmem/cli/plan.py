@@ -237,6 +237,9 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     if req.spec.kind == "fairseq":
         if time_steps:
             raise SpecError("--time is not available for a fairseq architecture (its update needs a dataset); the time column is the FLOP ratio")
+        if req.devices > 1:
+            raise SpecError("lowmem plan searches a fairseq model's flags for one device; account its per-device peak "
+                            "with lowmem profile fairseq:ARCH ... --devices N --shard MODE")
         from lowmem.cli import plan_fairseq  # which imports this module's combine
 
         return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root)), budget, exact_only, max_loss)

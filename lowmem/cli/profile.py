@@ -213,7 +213,7 @@ def _fairseq_args(req: Request, tech: Techniques) -> list[str]:
     if tech != Techniques():
         raise SpecError("a fairseq model takes the levers as fairseq-train flags (lowmem plan prints them), not a Techniques")
     return ["--arch", req.spec.name, "--task", "translation", "--criterion", "label_smoothed_cross_entropy",
-            "--optimizer", FAIRSEQ_OPTIMIZERS[req.optimizer], "--lr", "0.0005", "--max-tokens", str(_tokens(req))]
+            "--optimizer", FAIRSEQ_OPTIMIZERS[req.optimizer], "--lr", "0.0005", "--max-tokens", str(_tokens(req) // req.devices)]
 
 
 def _tokens(req: Request) -> int:
@@ -244,7 +244,9 @@ def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace 
     of a long accumulation (the others repeat microbatch 2's memory, as ``lowmem.wrn.memory`` explains)."""
     if req.spec.kind == "fairseq":
         from lowmem.dynamicconv import memory as fairseq_memory  # fairseq is imported only for a fairseq model
-        return fairseq_memory.account(_fairseq_args(req, tech), req.vocab, req.vocab, _tokens(req), req.input[0])
+        # --max-tokens is per device in fairseq: each of the devices takes its share of the request's tokens.
+        return fairseq_memory.account(_fairseq_args(req, tech), req.vocab, req.vocab, _tokens(req) // req.devices,
+                                      req.input[0], shard=req.sharding)
     # Built on meta first: a model that deep-copies its layers (nn.TransformerEncoder) would copy fake tensors
     # into a fake mode of their own, which PyTorch cannot mix.
     model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
