@@ -141,3 +141,7 @@ def test_13_sharding_reports_per_device_peaks_that_fall_with_devices_and_a_step_
     assert all(r["max_abs_diff"] <= 1e-6 * r["max_abs_step"] for r in m["gloo_run"])
     assert all(abs(r["gap_less_collectives_pct"]) <= 2 for r in m["gloo_run"] if r["mode"] in ("replicate", "optimizer"))
     assert all(abs(r["one_process_gap_pct"]) <= 1e-3 for r in m["gloo_run"] if r["one_process_gap_pct"] is not None)
+    for setting, got in m["per_device"].items():  # and falls further with every added device, in every mode
+        for mode, by_devices in got["by_mode"].items():
+            peaks = [by_devices[d]["peak_bytes"] for d in sorted(by_devices, key=int)]
+            assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), (setting, mode)

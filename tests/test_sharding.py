@@ -135,6 +135,7 @@ def test_plan_gives_per_device_peaks_for_a_torchvision_model():
     row = p.fitting.iloc[0]
     assert row.peak_bytes <= plan.budget_bytes("64MiB")
     assert row.peak_bytes == profile.account(req, row.tech, segments=row.segments).peak
+    assert "BatchNorm per device over 2 examples" in row.quality_risk  # per-device statistics are not exact
     whole = Request("torchvision:resnet18", 16, (3, 64, 64), "sgd-momentum")
     assert row.peak_bytes < profile.account(whole, row.tech, segments=row.segments).peak
 

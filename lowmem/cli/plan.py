@@ -259,7 +259,12 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         if key not in cache:
             b, B = tech.microbatch, req.device_batch
             r = account(req, tech, examples=3 * b if b and B // b > 3 else None, segments=segments)
-            change, low, label = risk(tech, has_bn, effects)
+            # Over several devices each normalizes over its own share, as a microbatch does: per-device BatchNorm
+            # is the microbatch lever at the device's batch (SyncBatchNorm would be exact, and is not run here).
+            per_device = req.devices > 1 and has_bn and not tech.microbatch
+            change, low, label = risk(dataclasses.replace(tech, microbatch=req.device_batch) if per_device else tech, has_bn, effects)
+            if per_device:
+                label = f"BatchNorm per device over {req.device_batch} examples, as microbatch={req.device_batch}: {label}"
             cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,

@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -66,6 +67,9 @@ def check(req: Request, modes: list[str]) -> None:
     if req.spec.kind == "fairseq":
         raise ValueError("the gloo run trains models of lowmem profile's own step; a fairseq model is accounted "
                          "per device only (lowmem profile fairseq:... --devices N)")
+    if req.vocab:
+        raise ValueError("the gloo run takes float inputs (--input C x H x W); token-id models are accounted per "
+                         "device only (lowmem profile ... --vocab V --devices N)")
     if req.devices < 2:
         raise ValueError(f"a run over devices needs at least 2, got {req.devices}")
     bad = [m for m in modes if m not in sharding.MODES]
@@ -236,7 +240,15 @@ def launch(req: Request, modes: list[str], out: Path, steps: int = 4, compare: b
            "--steps", str(steps), "--out", str(out), "--fail-rank", str(fail_rank), *(["--compare"] if compare else [])]
     # One thread per rank: the ranks share this machine's cores (torchrun sets it too, with a warning).
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # Its own session, so that a timeout can stop torchrun and every worker it started, not torchrun alone.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"torchrun did not finish within {timeout:.0f} s; it and its workers were killed") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     if done.returncode:
         # Every rank's exception line first (the first failure is the cause; the others' are its consequences).
         errors = [line for line in done.stderr.splitlines() if re.match(r"\[rank\d+\]: \w+(Error|Exception):", line)]

@@ -143,6 +143,11 @@ def fairseq_step(
     # hyperparameters do not change the memory.
     optimizer = build_optimizer(cfg, model)
     if shard.active and shard.mode == "optimizer":
+        if cfg.common.fp16 or cfg.common.memory_efficient_fp16:
+            # fairseq's 16-bit wrappers keep fp32 master copies that a ZeroRedundancyOptimizer over the model's
+            # parameters would not shard; fairseq's own --zero-sharding needs fairscale.
+            raise ValueError("sharding mode 'optimizer' cannot be accounted with --fp16 or --memory-efficient-fp16; "
+                             "use the plugin's --precision mixed-bf16/half-bf16, or another mode")
         inner = optimizer._optimizer
         optimizer._optimizer = sharding.optimizer(model, shard, type(inner), accounting=True, **inner.defaults)
     nspecial = task.target_dictionary.nspecial

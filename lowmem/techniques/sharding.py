@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils.weak import WeakIdKeyDictionary
 
-from lowmem.memory.accounting import resizable
+from lowmem.memory.accounting import gradient_ready, resizable
 
 MODES = {
     "replicate": "DDP: everything replicated",
@@ -102,13 +103,20 @@ def units(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+_hooked = WeakIdKeyDictionary()  # gathered weights whose gradients are reported (by identity: tensors compare by value)
+
+
 def _track_unsharded(module: nn.Module, args: Any) -> None:
-    # Called after FSDP2's own pre-forward/pre-backward hook: the module's parameters are now the gathered ones.
+    # Called after FSDP2's own pre-forward hook: the module's parameters are now the gathered ones. Their gradients
+    # are the unsharded gradients FSDP2 reduce-scatters and drops; reported, they count as gradients, not temporaries.
     from torch.distributed.tensor import DTensor
 
     for name, p in module.named_parameters():
         if not isinstance(p, DTensor):
             resizable(p, "weight-copy", name)
+            if p.requires_grad and p not in _hooked:
+                p.register_post_accumulate_grad_hook(gradient_ready)
+                _hooked[p] = True
 
 
 def wrap(model: nn.Module, sharding: Sharding, accounting: bool = False) -> nn.Module:
@@ -129,8 +137,9 @@ def wrap(model: nn.Module, sharding: Sharding, accounting: bool = False) -> nn.M
         for unit in [*units(model), model]:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
             if accounting:
+                # The gathered weights are the same tensors in every step, forward and backward: watched once
+                # seen, they are followed through each free and refill (lowmem.memory.accounting.resizable).
                 unit.register_forward_pre_hook(_track_unsharded)
-                unit.register_full_backward_pre_hook(lambda m, _: _track_unsharded(m, ()))
         return model
     if accounting:
         return model
@@ -186,7 +195,8 @@ def traffic_bytes(param_bytes: int, sharding: Sharding) -> int:
     """Bytes each device sends (and receives) per step with ring collectives (Rajbhandari et al. 2020, ZeRO, Sec. 7):
     an all-reduce moves 2(N-1)/N of the data, an all-gather or reduce-scatter (N-1)/N.
     - replicate: all-reduce of the gradients;
-    - optimizer: the same, plus the updated parameters broadcast from their owners, (N-1)/N;
+    - optimizer: as PyTorch runs it (DDP + ZeroRedundancyOptimizer), the same all-reduce plus the updated
+      parameters broadcast from their owners, (N-1)/N; ZeRO-1 proper, reduce-scatter then all-gather, moves 2(N-1)/N;
     - gradients: weights all-gathered once, gradients reduce-scattered;
     - full: weights all-gathered twice (forward, backward), gradients reduce-scattered."""
     n = sharding.devices
