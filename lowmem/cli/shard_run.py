@@ -103,12 +103,23 @@ def _peak_in(prof: profile) -> list[tuple[int, int]]:
     steps = sorted((n for n in nodes if n.name == MARK), key=lambda n: n.start_time_ns)
     allocs = sorted((n for n in nodes if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu"),
                     key=lambda n: n.start_time_ns)
+    first_alloc = next((n.start_time_ns for n in allocs if n.extra_fields.alloc_size > 0), 0)
     live: dict[int, tuple[int, bool]] = {}
+    early: set[int] = set()  # addresses freed (by another thread's clock) before their allocation was recorded
     running = comm = 0
     peaks = [(0, 0) for _ in steps]
     for n in allocs:
         size, ptr = n.extra_fields.alloc_size, n.extra_fields.ptr
         if size > 0:
+            if ptr in early:
+                # Its free, made on gloo's thread, sorts before the allocation made on this one: the two threads'
+                # clocks differ by more than the block lived, so it is counted as never live.
+                early.discard(ptr)
+                continue
+            if ptr in live:  # an address is not handed out twice while live: the earlier block's free was lost
+                old, c = live.pop(ptr)
+                running -= old
+                comm -= old if c else 0
             live[ptr] = (size, in_collective(n))
             running += size
             comm += size if live[ptr][1] else 0
@@ -116,6 +127,8 @@ def _peak_in(prof: profile) -> list[tuple[int, int]]:
             size, c = live.pop(ptr)
             running -= size
             comm -= size if c else 0
+        elif n.start_time_ns > first_alloc:
+            early.add(ptr)
         for i, step in enumerate(steps):
             if step.start_time_ns <= n.start_time_ns <= step.end_time_ns and running > peaks[i][0]:
                 peaks[i] = (running, comm)
