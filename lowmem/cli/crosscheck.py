@@ -263,9 +263,7 @@ def fsdp_memtracker(req: Request) -> int:
     warm-up step (so the optimizer state exists, as in the accountant's step)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    from lowmem.cli.profile import make_optimizer
     from lowmem.techniques import sharding
-    from lowmem.techniques.step import train_step
 
     shard = req.sharding
     if shard.mode not in sharding.FSDP_MODES or not shard.active:
@@ -273,15 +271,13 @@ def fsdp_memtracker(req: Request) -> int:
     model = models.build(req.spec, "meta")
     with FakeTensorMode(allow_non_fake_inputs=True), sharding.fake_group(shard.devices):
         model.to_empty(device="cpu")
-        x, y = models.batch(model, req.device_batch, req.input, req.vocab, "cpu")
-        model = sharding.wrap(model, shard)
-        opt = make_optimizer(req.optimizer, model, shard)
-        train_step(model, opt, x, y)
+        step, model, opt, batch = step_of(req, Techniques(), "cpu", model=model)  # the step the accountant follows
+        step(lambda _: None)
         opt.zero_grad(set_to_none=True)
         tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((x, y))
+        tracker.track_inputs(batch)
         with tracker:
-            train_step(model, opt, x, y)
+            step(lambda _: None)
         return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
 
 

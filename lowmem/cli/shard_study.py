@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from lowmem.cli import crosscheck, shard_run
 from lowmem.cli.params import ShardingParams, request
 from lowmem.cli.profile import Request, account
+from lowmem.cli.study import _num
 from lowmem.dynamicconv import memory as fairseq_memory
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.memory.measure import CPUWorkspace, GlooWorkspace, workspaces
@@ -230,11 +231,8 @@ def metrics(p: ShardingParams, res: dict[str, pd.DataFrame]) -> dict[str, Any]:
     out["gloo_run"] = [{"mode": r.mode, "rank": int(r.rank), "measured_peak_bytes": int(r.measured_peak_bytes),
                         "accounted_with_workspace_bytes": int(r.accounted_with_workspace_bytes),
                         "gap_pct": round(float(r.gap_pct), 3), "gap_less_collectives_pct": round(float(r.gap_less_collectives_pct), 3),
-                        "one_process_gap_pct": _num(r.one_process_gap_pct),
+                        "one_process_gap_pct": _num(r.one_process_gap_pct, 4),
                         "max_abs_diff": float(r.max_abs_diff),
                         "max_abs_step": float(r.max_abs_step)} for r in m.itertuples()]
     return out
 
-
-def _num(x: float) -> float | None:
-    return None if np.isnan(x) else round(float(x), 4)

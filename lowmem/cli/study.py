@@ -139,5 +139,6 @@ def metrics(p: PlannerParams, res: dict[str, pd.DataFrame]) -> dict[str, Any]:
     return out
 
 
-def _num(x: float) -> float | None:
-    return None if np.isnan(x) else round(float(x), 3)
+def _num(x: float, digits: int = 3) -> float | None:
+    """``x`` rounded for a metrics JSON, None where it is missing (NaN)."""
+    return None if np.isnan(x) else round(float(x), digits)
