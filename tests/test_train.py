@@ -120,3 +120,14 @@ def test_a_kahan_run_resumes_with_its_compensation_and_is_not_the_recipes_run(tm
     assert results(resumed) == results(whole)
     assert store_run(p, 0, tech).key != store_run(p, 0, Techniques(precision="half-bf16")).key
     assert store_run(p, 0, Techniques(optimizer="sgd")).key == store_run(p, 0, Techniques()).key
+
+
+def test_an_8bit_momentum_run_with_dsr_resumes_exactly_and_is_its_own_run(tmp_path: Path) -> None:
+    """bitsandbytes' 8-bit momentum under DSR rewiring (which requantizes it) and half-bf16: its codes, block maxima
+    and code book go into the checkpoint and come back, so a resumed run ends where an uninterrupted one does."""
+    p, tech = tiny(tmp_path, epochs=2), Techniques(sparsity=0.5, precision="half-bf16", optimizer="bnb-sgd8bit",
+                                                   dsr_periods=(1, 1, 1, 1))
+    whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
+    resumed = killed_after_epoch_then_resumed(p, 1, tmp_path / "cut", tech)
+    assert results(resumed) == results(whole)
+    assert store_run(p, 0, tech).key != store_run(p, 0, Techniques(sparsity=0.5, precision="half-bf16", dsr_periods=(1, 1, 1, 1))).key

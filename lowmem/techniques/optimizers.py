@@ -1,5 +1,5 @@
-"""The optimizer of a run, as a lever: the recipe's SGD, or torch-optimi's SGD, whose Kahan-compensated update keeps
-16-bit weights from losing small steps to rounding.
+"""The optimizer of a run, as a lever: the recipe's SGD; torch-optimi's SGD, whose Kahan-compensated update keeps
+16-bit weights from losing small steps to rounding; or bitsandbytes' SGD with its momentum stored in 8 bits.
 
 A lever beyond Sohoni et al. (2019). In half-bf16 every weight is stored in bf16, whose 8-bit mantissa rounds away
 any update smaller than half a unit in the last place: with lr 0.1 and a gradient of 1e-3, a weight near 1 moves by
@@ -11,36 +11,88 @@ next step. torch-optimi's optimizers do this on the CPU (``kahan_sum``, on by de
 - ``optimi-sgd``: ``optimi.SGD``, heavy-ball momentum with L2 weight decay, Kahan summation where the parameters are
   16-bit. optimi's SGD has no Nesterov momentum, so this arm changes the recipe in one more way than Kahan
   summation; in fp32 (no compensation) it measures that change alone.
+- ``bnb-sgd8bit``: ``bitsandbytes.optim.SGD8bit``, the same heavy-ball update with L2 weight decay as ``optimi-sgd``
+  in fp32 (both are tested equal to ``torch.optim.SGD`` without Nesterov), with the momentum of every parameter of at
+  least ``MIN_8BIT_SIZE`` elements stored block-wise in 8 bits (Dettmers et al. 2022): one uint8 code per element, an
+  fp32 absolute maximum per block of ``BLOCK`` elements, and one 256-entry fp32 code book (the signed dynamic map)
+  shared by the whole optimizer. Smaller parameters keep fp32 momentum. Each step dequantizes a parameter's momentum
+  to fp32, updates it and quantizes it back. bitsandbytes' CPU kernel does that in plain torch ops, so it runs here
+  (torchao's 8-bit optimizers are Adam only, which is DynamicConv's, not the WRN recipe's SGD).
+
+Where the state is block-quantized, DSR cannot move single momentum values between positions as codes: ``realign``
+dequantizes, moves and requantizes them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import importlib.util
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-OPTIMIZERS = ("sgd", "optimi-sgd")
+OPTIMIZERS = ("sgd", "optimi-sgd", "bnb-sgd8bit")
+BLOCK = 256  # elements per absmax of bitsandbytes' block-wise 8-bit state (fixed in its CPU and CUDA kernels)
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 state (their share of the bytes is small)
+_LIBRARIES = {"optimi-sgd": ("optimi", "torch-optimi"), "bnb-sgd8bit": ("bitsandbytes", "bitsandbytes")}
 
 
 def check(name: str) -> None:
     """Raises ValueError for an unknown optimizer, and for optimi-sgd where torch-optimi is not installed."""
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
-    if name == "optimi-sgd":
-        try:
-            import optimi  # noqa: F401
-        except ImportError as e:
-            raise ValueError("optimizer='optimi-sgd' needs torch-optimi, which is not installed: `make setup` installs "
-                             "the pinned torch-optimi (requirements-2.txt)") from e
+    if name in _LIBRARIES:
+        module, package = _LIBRARIES[name]
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"optimizer={name!r} needs {package}, which is not installed: `make setup` installs the "
+                             f"pinned {package} (requirements-2.txt)")
 
 
 def make(params: Iterable[torch.Tensor], name: str, lr: float, momentum: float, nesterov: bool,
          weight_decay: float) -> torch.optim.Optimizer:
-    """The optimizer ``name`` over ``params`` (``nesterov`` applies to ``sgd`` only: optimi's SGD has none)."""
+    """The optimizer ``name`` over ``params`` (``nesterov`` applies to ``sgd`` only: optimi's and bitsandbytes' SGD
+    have none)."""
     check(name)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
+    if name == "bnb-sgd8bit":
+        # Its code book is built from Python lists at construction; the accountant's default meta device (lowmem.wrn.memory)
+        # could not hold them. The first step moves it to the parameters' device.
+        with torch.device("cpu"):
+            return bnb_optim().SGD8bit(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=False,
+                                       min_8bit_size=MIN_8BIT_SIZE)
     import optimi
 
     # foreach=False: one parameter at a time, as the accountant's meta tensors and the CPU run alike take it.
     return optimi.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=False)
+
+
+def bnb_optim() -> Any:
+    """``bitsandbytes.optim``, imported without its warning that the kernels package for 4-bit matrix products on
+    AVX-512 CPUs is missing: lowmem uses its optimizers only, which do not need it."""
+    cpu_ops = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops.level
+    cpu_ops.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes.optim
+    finally:
+        cpu_ops.setLevel(level)
+    return bitsandbytes.optim
+
+
+def realign(state: dict[str, Any], shape: torch.Size, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Applies ``move`` (survivors kept, new positions zero; lowmem.techniques.sparsity's DSR) to the per-element
+    state of one parameter of ``shape``, in place of ``state``. bitsandbytes' block-wise 8-bit state is dequantized,
+    moved and quantized again with new block maxima, since a code means nothing outside its block."""
+    for i in (1, 2):
+        if f"absmax{i}" in state and state[f"state{i}"].dtype == torch.uint8:
+            import bitsandbytes.functional as bnbf
+
+            values = bnbf.dequantize_blockwise(state[f"state{i}"], absmax=state[f"absmax{i}"], code=state[f"qmap{i}"],
+                                               blocksize=BLOCK)
+            codes, qs = bnbf.quantize_blockwise(move(values), code=state[f"qmap{i}"], blocksize=BLOCK)
+            state[f"state{i}"], state[f"absmax{i}"] = codes, qs.absmax
+    for key, s in list(state.items()):
+        if isinstance(s, torch.Tensor) and s.shape == shape and s.dtype != torch.uint8:
+            state[key] = move(s)

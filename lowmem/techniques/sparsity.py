@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lowmem.memory.accounting import StorageRecord
+from lowmem.techniques import optimizers
 
 INDEX_FORMATS = ("csr32", "csr16")  # CSR index width: 32-bit, or 16-bit in the layers where every index fits
 
@@ -266,10 +267,7 @@ class DSR:
             # Survivors keep their value; regrown positions start at zero; pruned ones are gone.
             return torch.cat([t[keep], t.new_zeros(grow)])[order]
 
-        state = optimizer.state.get(layer.values, {})
-        for key, s in list(state.items()):
-            if isinstance(s, torch.Tensor) and s.shape == layer.values.shape:
-                state[key] = realign(s)
+        optimizers.realign(optimizer.state.get(layer.values, {}), layer.values.shape, realign)
         layer.set_pattern(new_idx, realign(layer.values.data))
 
     def state_dict(self) -> dict[str, Any]:
