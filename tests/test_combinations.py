@@ -84,6 +84,56 @@ def test_beyond_rows_pair_each_arm_with_a_lever_beyond_the_paper_against_its_bas
     assert frontier.beyond_rows(tmp_path / "nothing").empty
 
 
+def test_beyond_rows_take_the_second_study_with_its_own_baseline_and_machine(tmp_path: Path) -> None:
+    """Each study of levers beyond the paper pairs its arms with its own baseline (another machine trains the same
+    seed to another accuracy); an arm already in the first study is not taken twice."""
+    arm = lambda acc, **tech: {"techniques": tech, "per_seed_acc": acc, "step_s": [0.2, 0.2, 0.2],  # noqa: E731
+                               "memory": {"total_mib": 100.0}}
+    first = {"profile": "cpu", "seeds": [0, 1, 2], "arms": {"baseline": arm([0.90, 0.90, 0.90]),
+                                                            "optimi-sgd": arm([0.89, 0.89, 0.89], optimizer="optimi-sgd")}}
+    second = {"profile": "cpu", "machine": "CPU B", "seeds": [0, 1, 2], "arms": {
+        "baseline": arm([0.80, 0.80, 0.80]), "optimi-sgd": arm([0.70, 0.70, 0.70], optimizer="optimi-sgd"),
+        "bnb-sgd8bit": arm([0.81, 0.81, 0.81], optimizer="bnb-sgd8bit")}}
+    (tmp_path / "levers_train.json").write_text(json.dumps(first))
+    (tmp_path / "levers_state_train.json").write_text(json.dumps(second))
+    rows = frontier.beyond_rows(tmp_path).set_index("name")
+    assert list(rows.index) == ["optimi-sgd", "bnb-sgd8bit"]
+    assert rows.loc["optimi-sgd"].quality_change == pytest.approx(-1.0)  # the first study's, against its baseline
+    assert rows.loc["bnb-sgd8bit"].quality_change == pytest.approx(+1.0)  # against the second study's baseline
+    assert rows.loc["bnb-sgd8bit"].machine == "CPU B" and rows.loc["optimi-sgd"].machine == "not recorded"
+
+
+def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_out_of_the_levels(tmp_path: Path) -> None:
+    d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4], checkpoint=["none", "layers"])
+    configs = combinations.grid(d)
+    names = [combinations.name(d, c) for c in configs]
+    assert names == ["baseline", "checkpoint", "update-freq-4", "update-freq-4+checkpoint", "adamw-8bit",
+                     "adamw-8bit+checkpoint", "adamw-8bit+update-freq-4", "adamw-8bit+update-freq-4+checkpoint"]
+    sweep = pd.DataFrame({"name": names, "precision": [c.get("precision", "fp32") for c in configs],
+                          "sparsity": 0.0, "microbatch": [c.get("microbatch", 1) for c in configs],
+                          "checkpoint": [c.get("checkpoint", "none") for c in configs],
+                          "config": [json.dumps(c) for c in configs], "techniques": [len(c) for c in configs],
+                          "mildness": [combinations.mildness(d, c) for c in configs],
+                          "total_mib": [100, 60, 50, 30, 90, 55, 40, 20]})
+    sweep["reduction"] = 100 / sweep.total_mib
+    # The levels pick the paper's levers only, however far a lever beyond the paper reaches.
+    d.levels, d.slots, d.trained_elsewhere = [3.0], 2, []
+    assert [c["name"] for c in combinations.select(d, sweep)] == ["baseline", "update-freq-4+checkpoint"]
+    sweep.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
+    trained = {"profile": "cpu", "machine": "CPU A", "time_ratio": {"baseline": 1.0, "adamw-8bit+update-freq-4": 1.3},
+               "trained": [{"technique": "baseline", "sacrebleu_change": 0.0, "sacrebleu_change_low": 0.0, "sacrebleu_change_high": 0.0},
+                           {"technique": "adamw-8bit+update-freq-4", "sacrebleu_change": -0.4,
+                            "sacrebleu_change_low": -0.9, "sacrebleu_change_high": 0.1}]}
+    (tmp_path / "translation_levers_train.json").write_text(json.dumps(trained))
+    rows = frontier.beyond_rows_dynamicconv(tmp_path, tmp_path).set_index("name")
+    assert list(rows.index) == ["adamw-8bit+update-freq-4", "adamw-8bit+update-freq-4+checkpoint"]
+    twin = rows.loc["adamw-8bit+update-freq-4+checkpoint"]
+    assert (twin.quality_change, twin.quality_low, twin.quality_high) == (-0.4, -0.9, 0.1)
+    assert twin.quality_from.startswith("exact, by test") and np.isnan(twin.time_ratio)
+    assert rows.loc["adamw-8bit+update-freq-4"].time_ratio == 1.3 and twin.reduction == 5.0
+    assert frontier.beyond_rows_dynamicconv(tmp_path, tmp_path / "nothing").empty
+
+
 def test_comparison_says_so_for_a_task_with_no_lever_beyond_the_paper() -> None:
     ref = frontier.paper_reference()
     task = next(iter(ref["tasks"]))

@@ -108,10 +108,12 @@ def test_update_freq_gives_the_gradients_of_one_large_batch(data: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [[], ["--precision", "mixed-bf16"], ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.9"]],
-                         ids=["fp32", "mixed-bf16", "all-bf16+sparse"])
+@pytest.mark.parametrize("options", [[], ["--precision", "mixed-bf16"], ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.9"],
+                                     ["--optimizer", "lowmem_adamw8bit", "--sparsity", "0.9"]],
+                         ids=["fp32", "mixed-bf16", "all-bf16+sparse", "adamw-8bit+sparse"])
 def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(data: Path, options: list[str]) -> None:
-    """What makes DynamicConv's checkpointing exact in the combination study (quality_model.EXACT_DYNAMICCONV)."""
+    """What makes DynamicConv's checkpointing exact in the combination study (quality_model.EXACT_DYNAMICCONV): the
+    same loss and gradients, and so the same parameters after the optimizer's step."""
     plain, task = trainer(data, ["--dropout", "0.3", *options])
     ckpt, _ = trainer(data, ["--dropout", "0.3", "--checkpoint-activations", *options])
     sample = batch(task, list(range(16)))
@@ -123,6 +125,7 @@ def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(d
     for (name, a), (_, b) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
         if a.grad is not None:
             assert torch.equal(a.grad, b.grad), name
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.slow
@@ -358,3 +361,95 @@ def test_technique_parameters_are_checked() -> None:
     cmd = translation.train_args(translation_study.train_params(p, "uf"), Path("bin"), Path("save"))
     assert cmd[len(cmd) - 1 - cmd[::-1].index("--max-tokens") + 1] == "1000"
     assert cmd[cmd.index("--update-freq") + 1] == "4"
+
+
+def _adamw8bit_state_bytes(numels: list[int]) -> int:
+    """Both Adam moments in 8 bits from first principles: per parameter of at least 4096 elements a uint8 code per
+    element and an fp32 maximum per block of 256, for each moment; fp32 moments below that size; two shared 256-entry
+    fp32 code books (signed for the first moment, unsigned for the second)."""
+    big = [n for n in numels if n >= 4096]
+    return (sum(2 * (n + -(-n // 256) * 4) for n in big) + sum(2 * 4 * n for n in numels if n < 4096)
+            + (2 * 256 * 4 if big else 0))
+
+
+def test_the_accountant_counts_8bit_adam_moments_at_their_real_bytes() -> None:
+    plugin = [*FULL, *PLUGIN, "--arch", ARCH]
+    model, _ = translation_memory.build(plugin, 8848, 6632)
+    used = [p.numel() for name, p in model.named_parameters() if not name.endswith("conv_bias")]
+    fp32 = translation_memory.account([*plugin, "--optimizer", "lowmem_adamw"], 8848, 6632, tokens=4000, length=32)
+    eight = translation_memory.account([*plugin, "--optimizer", "lowmem_adamw8bit"], 8848, 6632, tokens=4000, length=32)
+    assert fp32.category_max["optimizer"] == 2 * 4 * sum(used) + 4 * len(used)  # fp32 moments and a step count each
+    assert eight.category_max["optimizer"] == _adamw8bit_state_bytes(used)  # bitsandbytes keeps its step in Python
+    assert {c: eight.at_peak[c] for c in ("model", "gradients", "activations")} == {c: fp32.at_peak[c] for c in ("model", "gradients", "activations")}
+
+
+def test_8bit_adamw_without_8bit_state_is_torch_adamw_to_rounding() -> None:
+    """Parameters under 4096 elements keep fp32 moments: then the plugin's 8-bit AdamW is its fp32 AdamW, to rounding
+    (bitsandbytes' fp32 kernel folds the bias corrections into the step and eps, torch divides first)."""
+    from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamW8bit, LowmemAdamW8bitConfig, LowmemAdamWConfig
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    b.load_state_dict(a.state_dict())
+    opts = [LowmemAdamW(LowmemAdamWConfig(lr=[1e-2], weight_decay=1e-2), a.parameters()),
+            LowmemAdamW8bit(LowmemAdamW8bitConfig(lr=[1e-2], weight_decay=1e-2), b.parameters())]
+    for i in range(20):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        for m, opt in zip((a, b), opts):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)  # 20 steps of lr 1e-2 moved them by about 0.2
+    assert isinstance(opts[1].optimizer.state[b.weight]["state1"], torch.Tensor)
+    assert opts[1].optimizer.state[b.weight]["state1"].dtype == torch.float32
+
+
+def test_each_8bit_adamw_step_is_fp32_adamw_from_the_moments_as_stored_and_stores_them_within_half_a_code() -> None:
+    """An 8192-element weight over many steps: the new weight is exactly fp32 AdamW (decoupled weight decay, bias
+    corrections) computed from the dequantized moments, and each stored moment is within half its code book's widest
+    step, times its block's maximum, of the exact moment (1% slack: the CPU quantizer compares in fp32)."""
+    import bitsandbytes.functional as bnbf
+
+    from lowmem.dynamicconv.plugin import LowmemAdamW8bit, LowmemAdamW8bitConfig
+
+    lr, wd, (b1, b2), eps = 1e-2, 1e-2, (0.9, 0.98), 1e-8
+    w = torch.nn.Parameter(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)))
+    opt = LowmemAdamW8bit(LowmemAdamW8bitConfig(lr=[lr], weight_decay=wd, adam_betas=(b1, b2), adam_eps=eps), [w])
+
+    def moments(s: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(bnbf.dequantize_blockwise(s[f"state{i}"], absmax=s[f"absmax{i}"], code=s[f"qmap{i}"], blocksize=256)
+                     for i in (1, 2))  # type: ignore[return-value]
+
+    def bound(s: dict, i: int) -> torch.Tensor:
+        codes = s[f"qmap{i}"].sort().values
+        return (s[f"absmax{i}"].repeat_interleave(256)[: w.numel()] * (codes[1:] - codes[:-1]).max() / 2).view_as(w) * 1.01
+
+    for step in range(1, 31):
+        g = torch.randn(64, 128, generator=torch.Generator().manual_seed(step)) * step
+        s = opt.optimizer.state.get(w)
+        m, v = moments(s) if s else (torch.zeros_like(w), torch.zeros_like(w))
+        w0 = w.detach().clone()
+        w.grad = g.clone()
+        opt.step()
+        s = opt.optimizer.state[w]
+        m_exact = m.mul(b1).add_(g, alpha=1 - b1)
+        v_exact = v.mul(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v_exact.sqrt() / math.sqrt(1 - b2**step)).add_(eps)
+        assert torch.equal(w.detach(), w0.mul(1 - lr * wd).addcdiv_(m_exact, denom, value=-lr / (1 - b1**step)))
+        m_got, v_got = moments(s)
+        assert ((m_got - m_exact).abs() <= bound(s, 1)).all() and ((v_got - v_exact).abs() <= bound(s, 2)).all()
+
+
+@pytest.mark.slow
+def test_8bit_adamw_trains_with_fairseq_and_keeps_8bit_moments(data: Path) -> None:
+    wider = ["--encoder-embed-dim", "64", "--encoder-ffn-embed-dim", "128", "--decoder-embed-dim", "64",
+             "--decoder-ffn-embed-dim", "128"]  # FFN maps of 8192 weights: past bitsandbytes' 4096 for 8-bit state
+    t, task = trainer(data, [*NO_DROPOUT, *wider, "--optimizer", "lowmem_adamw8bit", "--weight-decay", "0.0001"])
+    start = [p.detach().clone() for p in t.model.parameters()]
+    losses = [t.train_step([batch(task, list(range(8 * i, 8 * i + 8)))])["loss"] for i in range(4)]
+    assert all(math.isfinite(x) for x in losses)
+    state = t.optimizer.optimizer.state
+    big = [p for p in t.model.parameters() if p.grad is not None and p.numel() >= 4096]
+    assert big and all(state[p]["state1"].dtype == state[p]["state2"].dtype == torch.uint8 for p in big)
+    assert all(not torch.equal(a, b) for a, b in zip(start, t.model.parameters()) if b.grad is not None and b.numel() >= 4096)

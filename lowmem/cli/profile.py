@@ -28,14 +28,16 @@ from lowmem.techniques import optimizers, precision, sharding
 from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan
 from lowmem.techniques.step import Techniques, train_step
 
-# The optimizers a step can take: torch's, with their usual hyperparameters (bytes do not depend on them), and the
-# project's Kahan-compensated SGD (lowmem.techniques.optimizers).
+# The optimizers a step can take: torch's, with their usual hyperparameters (bytes do not depend on them),
+# bitsandbytes' AdamW with 8-bit moments, and the project's others (lowmem.techniques.optimizers: Kahan-compensated
+# SGD, 8-bit momentum).
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "adam": lambda ps: torch.optim.Adam(ps),
     "adamw": lambda ps: torch.optim.AdamW(ps),
     "adafactor": lambda ps: torch.optim.Adafactor(ps),
+    "adamw-8bit": lambda ps: optimizers.adamw8bit(ps),
 }
 FAIRSEQ_OPTIMIZERS = {"sgd": "sgd", "sgd-momentum": "nag", "adam": "adam", "adafactor": "adafactor"}  # fairseq's names
 # Module types whose step the accountant does not count exactly, with why (README, "Your own model", has the

@@ -53,11 +53,12 @@ from fairseq.optim.adam import FairseqAdamConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from lowmem.techniques import sparse_linear, sparsity
+from lowmem.techniques import optimizers, sparse_linear, sparsity
 
 ARCH = "lowmem_lightconv_iwslt_de_en"
 TASK = "lowmem_translation"
 OPTIMIZER = "lowmem_adamw"
+OPTIMIZER_8BIT = "lowmem_adamw8bit"
 PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
 
 
@@ -236,3 +237,22 @@ class LowmemAdamW(FairseqOptimizer):
     @property
     def supports_flat_params(self) -> bool:
         return True
+
+
+@dataclass
+class LowmemAdamW8bitConfig(FairseqAdamConfig):
+    pass
+
+
+@register_optimizer(OPTIMIZER_8BIT, dataclass=LowmemAdamW8bitConfig)
+class LowmemAdamW8bit(LowmemAdamW):
+    """A lever beyond the paper: ``lowmem_adamw``'s update with both Adam moments stored block-wise in 8 bits,
+    bitsandbytes' ``AdamW8bit`` (Dettmers et al. 2022): per parameter of at least 4096 elements, a uint8 code per
+    element and an fp32 maximum per block of 256 for each moment; two shared 256-entry fp32 code books; smaller
+    parameters keep fp32 moments. Each step dequantizes a parameter's moments, updates them in fp32 and quantizes them
+    back. bitsandbytes' CPU kernel is plain torch ops; torchao's AdamW8bit compiles its step with torch.compile, which
+    the accountant's dispatch mode cannot follow. Used as the others: ``--optimizer lowmem_adamw8bit``."""
+
+    def __init__(self, cfg: LowmemAdamW8bitConfig, params: Any) -> None:
+        FairseqOptimizer.__init__(self, cfg)
+        self._optimizer = optimizers.adamw8bit(params, **self.optimizer_config)

@@ -46,7 +46,7 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import DIMS, EXACT, paired_change, predict, selection
+from lowmem.studies.quality_model import BEYOND_PAPER_DYNAMICCONV, DIMS, EXACT, paired_change, predict, selection
 from lowmem.techniques import precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
@@ -178,7 +178,7 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
     """The combinations to train, in slot order: the baseline, ``p.singles``, then for each level in ``p.levels``
     the not yet chosen combination that reaches it with the fewest techniques, then the mildest settings (ties: the
     larger reduction). DynamicConv leaves out what stage 08 trains (``p.trained_elsewhere``) and, on the CPU, the
-    16-bit options that fairseq cannot train there. Each entry is {slot, name, role}."""
+    16-bit options that fairseq cannot train there, and the levers beyond the paper. Each entry is {slot, name, role}."""
     names = set(memory.name)
     chosen: list[dict[str, Any]] = []
     first = [("baseline", "baseline"), *[(name(p, s), "single technique") for s in p.singles]]
@@ -188,7 +188,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
         chosen.append({"name": n, "role": role})
     pool = memory[~memory.name.isin([c["name"] for c in chosen])]
     if p.task == "dynamicconv":
-        pool = pool[pool.precision.map(lambda m: trainable(p, m))]
+        # The levels are the paper's levers': levers beyond it train in stage translation_levers_train.
+        pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~pool.precision.isin(BEYOND_PAPER_DYNAMICCONV)]
     for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]
         if reach.empty:

@@ -27,8 +27,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (DIMS, EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, beyond_paper,
-                                          paired_change, predict, selection)
+from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, DIMS, EXACT, EXACT_DYNAMICCONV,
+                                          EXACT_DYNAMICCONV_PRECISIONS, beyond_paper, paired_change, predict, selection)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -97,6 +97,8 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, and whether the
     point is Pareto-optimal in (reduction, quality change)."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
+    if task == "dynamicconv":  # the paper's levers only; those beyond it are ``beyond_rows_dynamicconv``'s
+        df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
     selected = selection(task, sweep_dir)
     chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
@@ -154,28 +156,61 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
 LEVERS_PAPER, LEVERS_BEYOND = "the paper's", "the paper's and beyond"  # the headline rows' ``levers``
 
 
+LEVERS_STAGES = ("levers_train", "levers_state_train")  # WRN's studies of levers beyond the paper, one machine each
+
+
 def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
-    """WRN's configurations with a lever beyond the paper, from stage levers_train (``metrics/levers_train.json``):
-    each arm's accuracy change paired by seed with the baseline trained beside it, its full-size memory reduction
-    against that baseline, and its time per step against it, from the training runs. Empty without that file."""
-    path = Path(metrics_dir) / "levers_train.json"
+    """WRN's configurations with a lever beyond the paper, from stages levers_train and levers_state_train
+    (``metrics/<stage>.json``): each arm's accuracy change paired by seed with the baseline trained beside it in the
+    same study, its full-size memory reduction against that baseline, and its time per step against it, from the
+    training runs. An arm in both studies is the first one's. Empty without either file."""
+    rows: list[dict[str, Any]] = []
+    for stage in LEVERS_STAGES:
+        path = Path(metrics_dir) / f"{stage}.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
+        arms, seeds = res["arms"], res["seeds"]
+        base = arms["baseline"]
+        for name, arm in arms.items():
+            if not beyond_paper(arm["techniques"]) or any(r["name"] == name for r in rows):
+                continue
+            c = paired_change({"seeds": seeds, **arm}, {"seeds": seeds, **base})
+            rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
+                         **{k: v for k, v in arm["memory"].items()},
+                         "reduction": base["memory"]["total_mib"] / arm["memory"]["total_mib"],
+                         "quality_change": c.mean, "quality_low": c.low, "quality_high": c.high, "quality_n": c.n,
+                         "time_ratio": float(np.median(arm["step_s"]) / np.median(base["step_s"])),
+                         "quality_from": f"stage {stage}", "profile": res["profile"], "study": stage,
+                         "machine": res.get("machine", "not recorded")})
+    return pd.DataFrame(rows)
+
+
+def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
+    """DynamicConv's combinations with a lever beyond the paper (``BEYOND_PAPER_DYNAMICCONV``), from stage
+    translation_levers_train (``metrics/translation_levers_train.json``): each trained technique's sacreBLEU change
+    against the baseline trained beside it on the same machine (paired bootstrap of the test set), its time per
+    update against that baseline, and its full-size memory from the sweep; a combination that differs from a trained
+    one only by checkpointing (exact by test) carries its quality. Empty without that file."""
+    path = Path(metrics_dir) / "translation_levers_train.json"
     if not path.exists():
         return pd.DataFrame()
     res = json.loads(path.read_text())
-    arms, seeds = res["arms"], res["seeds"]
-    base = arms["baseline"]
-    rows = []
-    for name, arm in arms.items():
-        if not beyond_paper(arm["techniques"]):
-            continue
-        c = paired_change({"seeds": seeds, **arm}, {"seeds": seeds, **base})
-        rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
-                     **{k: v for k, v in arm["memory"].items()},
-                     "reduction": base["memory"]["total_mib"] / arm["memory"]["total_mib"],
-                     "quality_change": c.mean, "quality_low": c.low, "quality_high": c.high, "quality_n": c.n,
-                     "time_ratio": float(np.median(arm["step_s"]) / np.median(base["step_s"])),
-                     "quality_from": "stage levers_train", "profile": res["profile"]})
-    return pd.DataFrame(rows)
+    df = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
+    df = df[df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
+    for col in ("quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"):
+        df[col] = float("nan")
+    df["quality_from"] = ""
+    for r in res["trained"]:
+        i = df.index[df.name == r["technique"]]
+        df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]] = [
+            r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1, res["time_ratio"].get(r["technique"], np.nan)]
+        df.loc[i, "quality_from"] = "stage translation_levers_train"
+    _exact_fill(df, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+    df = df[df.quality_change.notna()].reset_index(drop=True)
+    df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], "translation_levers_train"
+    df["machine"] = res.get("machine", "not recorded")
+    return df
 
 
 def paper_reference(path: Path = REFERENCE) -> dict[str, Any]:
@@ -303,11 +338,11 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    beyond = {"wrn": beyond_rows(metrics_dir)}
+    beyond = {"wrn": beyond_rows(metrics_dir), "dynamicconv": beyond_rows_dynamicconv(sweep_dir, metrics_dir)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}
     for t, b in beyond.items():
         if set(b.profile) != {profile[t]}:
-            raise ValueError(f"{t}: stage levers_train ran at profile {sorted(set(b.profile))}, the combinations at "
+            raise ValueError(f"{t}: the levers beyond the paper trained at profile {sorted(set(b.profile))}, the combinations at "
                              f"{profile[t]!r}: rerun both at one profile")
     best_beyond = {t: pd.concat([best_within(pd.concat([res[t], b], ignore_index=True), budgets[t], rule=rule)
                                  for rule in RULES], ignore_index=True) for t, b in beyond.items()}
@@ -329,8 +364,9 @@ FRONTIER_CAPTION = (
     "interval of the paired change (WRN: over seeds; DynamicConv: paired bootstrap of one seed's test set, where "
     "computed). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
     "so they carry its quality. White points: time per step not measured at this profile. Stars: configurations with a "
-    "lever beyond the paper (compressed activations, Kahan-compensated bf16), trained beside their own baseline on "
-    "the same seeds; their time is from those training runs.")
+    "lever beyond the paper (WRN: compressed activations, Kahan-compensated bf16, 8-bit momentum; DynamicConv: 8-bit "
+    "Adam moments), trained beside their own baseline (WRN: on the same seeds; DynamicConv: paired bootstrap), on one "
+    "machine per study; their time is from those runs; a white star is the exact twin of a trained one.")
 
 
 def figure(s: Study) -> Figure:
@@ -356,8 +392,12 @@ def figure(s: Study) -> Figure:
                            s=size, marker=marker, zorder=3, label="time not measured" if marker == "o" else None)
         b = s.beyond.get(task, pd.DataFrame())
         if not b.empty:  # apart from the paper's levers: another marker, and out of the paper's Pareto frontier
-            ax.scatter(b.reduction, b.quality_change, c=b.time_ratio, cmap=cmap, norm=norm, s=150, marker="*",
-                       edgecolor="black", linewidth=0.6, zorder=4, label="with a lever beyond the paper (stage levers_train)")
+            timed = b.time_ratio.notna()
+            ax.scatter(b.reduction[timed], b.quality_change[timed], c=b.time_ratio[timed], cmap=cmap, norm=norm, s=150,
+                       marker="*", edgecolor="black", linewidth=0.6, zorder=4, label="with a lever beyond the paper")
+            if (~timed).any():  # exact twins of a trained one (checkpointing added): quality by test, time not measured
+                ax.scatter(b.reduction[~timed], b.quality_change[~timed], facecolor="white", s=150, marker="*",
+                           edgecolor="black", linewidth=0.6, zorder=4)
             ax.errorbar(b.reduction, b.quality_change, fmt="none", ecolor="tab:green", lw=0.9, capsize=2, zorder=2,
                         yerr=[b.quality_change - b.quality_low, b.quality_high - b.quality_change])
         bars = t[~exact & t.quality_low.notna()]
@@ -468,7 +508,15 @@ def comparison_caption(s: Study) -> str:
     """The caption of ``paper_comparison``: where the paper's numbers and ours come from."""
     return (f"Paper: {s.reference['citation']}. Ours: memory reduction accounted at full size, quality change from the "
             "stated profile, with its 95% interval (low, high) over n seeds. At the cpu profile the quality is measured "
-            f"on a smaller model and offline data, not CIFAR-10 or IWSLT'14. {rules_text()}")
+            "on a smaller model and offline data, not CIFAR-10 or IWSLT'14. The rows \"the paper's and beyond\" add "
+            "the configurations with a lever beyond the paper, each paired with the baseline trained beside it in its "
+            f"own study, on that study's machine ({', '.join(quality_sources(s))}). {rules_text()}")
+
+
+def quality_sources(s: Study) -> list[str]:
+    """The studies whose runs give the levers beyond the paper their quality, and the CPU each ran on."""
+    b = pd.concat(list(s.beyond.values()), ignore_index=True) if s.beyond else pd.DataFrame(columns=["study", "machine"])
+    return [f"stage {st}: {m}" for st, m in b[["study", "machine"]].drop_duplicates().itertuples(index=False)]
 
 
 def tables(s: Study) -> dict[str, tuple[pd.DataFrame, str]]:

@@ -8,13 +8,23 @@ baseline and the paper's arms are the combination study's own runs, from the run
   torch-optimi's SGD, which has no Nesterov momentum: that change alone) and ``half-bf16+optimi-sgd``.
 - ``activations``: saved activations at 8, 4 and 2 bits (``lowmem.techniques.compress``), alone and on top of the
   paper's levers that the headline's mean and interval rules pick (microbatch 8 with block checkpointing).
+- ``state``: momentum stored in 8 bits (bitsandbytes' SGD8bit, ``lowmem.techniques.optimizers``), against the same
+  heavy-ball SGD in fp32 (``optimi-sgd``: both are tested equal to torch's SGD without Nesterov) and on top of the
+  headline's paper levers.
 
 Each arm's accuracy change is paired over seeds with Student's t (``lowmem.studies.quality.paired``) against the
 baseline and against the arm it adds one lever to, which separates that lever's cost. Memory is accounted at full
 size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``). The frontier (``lowmem.studies.frontier``) takes the arms with
 a lever beyond the paper into the headline's row "with levers beyond the paper".
 
-    python -m lowmem.studies.levers --metrics metrics/levers_train.json --tables figures
+    python -m lowmem.studies.levers --metrics metrics/levers_train.json --tables figures [--only ARM ...]
+
+``--only`` trains the named arms alone, into a metrics file of their own: arms are paired only within one file,
+since the same seed gives other accuracies on another CPU (oneDNN picks other kernels), and each file is one
+machine's (``machine``). A study's table is written where its file has all of its arms. Stage levers_state_train:
+
+    python -m lowmem.studies.levers --metrics metrics/levers_state_train.json --tables figures --only baseline \
+        optimi-sgd microbatch-8+checkpoint-block bnb-sgd8bit microbatch-8+checkpoint-block+bnb-sgd8bit
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ ARMS = {"baseline": Techniques(),
            for b in (8, 2)},
         "half-bf16": Techniques(precision="half-bf16"),
         "optimi-sgd": Techniques(optimizer="optimi-sgd"),
-        "half-bf16+optimi-sgd": Techniques(precision="half-bf16", optimizer="optimi-sgd")}
+        "half-bf16+optimi-sgd": Techniques(precision="half-bf16", optimizer="optimi-sgd"),
+        "bnb-sgd8bit": Techniques(optimizer="bnb-sgd8bit"),
+        "microbatch-8+checkpoint-block+bnb-sgd8bit": Techniques(microbatch=8, checkpoint="block", optimizer="bnb-sgd8bit")}
 # Per study, (arm, against): what each comparison isolates.
 PAIRS = {
     "kahan": {("half-bf16", "baseline"): "the paper's 16-bit weights",
@@ -64,18 +76,26 @@ PAIRS = {
            for b in (8, 2)},
         **{(f"microbatch-8+checkpoint-block+activations-{b}", "microbatch-8+checkpoint-block"): f"{b}-bit activations on top, alone"
            for b in (8, 2)}},
+    "state": {("bnb-sgd8bit", "optimi-sgd"): "8-bit momentum against the same heavy-ball SGD in fp32",
+              ("bnb-sgd8bit", "baseline"): "8-bit momentum without Nesterov, all told",
+              ("microbatch-8+checkpoint-block+bnb-sgd8bit", "microbatch-8+checkpoint-block"):
+                  "8-bit momentum without Nesterov on top of the headline's paper levers",
+              ("microbatch-8+checkpoint-block+bnb-sgd8bit", "baseline"): "8-bit momentum on top, all told"},
 }
+STUDY_CATEGORY = {"kahan": "optimizer", "activations": "activations", "state": "optimizer"}  # the bytes each changes
 def memory(p: CombinationsParams, tech: Techniques) -> dict[str, Any]:
     """The accounted peak of one full-size step under ``tech``, by category at the peak, in MiB."""
     r = wrn_memory.account(tech, wrn_shape(p), p.seed)
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB}
 
 
-def train_arms(p: CombinationsParams, progress: bool = True) -> dict[str, Any]:
-    """Every arm on every seed (through the run store), with its accounted memory."""
+def train_arms(p: CombinationsParams, progress: bool = True, only: list[str] | None = None) -> dict[str, Any]:
+    """Every arm (or those named in ``only``) on every seed (through the run store), with its accounted memory."""
     base = BaselineParams(**p.train)
     arms = {}
     for name, tech in ARMS.items():
+        if only is not None and name not in only:
+            continue
         print(f"== {name}", flush=True)
         store = [store_run(base, s, tech) for s in p.train_seeds]
         fresh = [r.result() is None for r in store]
@@ -84,7 +104,7 @@ def train_arms(p: CombinationsParams, progress: bool = True) -> dict[str, Any]:
                       "runs": [{"key": r.key, "seed": s, "trained": t} for r, s, t in zip(store, p.train_seeds, fresh)],
                       "per_seed_acc": [r["test_acc"] for r in final], "step_s": [r["step_s"] for r in final],
                       "memory": memory(p, tech)}
-    return {"profile": p.profile, "model": base.model, "data": final[0]["data"], "epochs": base.epochs,
+    return {"profile": p.profile, "machine": quality.machine(), "model": base.model, "data": final[0]["data"], "epochs": base.epochs,
             "batch_size": base.batch_size, "seeds": list(p.train_seeds), "arms": arms}
 
 
@@ -97,8 +117,8 @@ def table(res: dict[str, Any], study: str) -> pd.DataFrame:
         c = change(res, arm, against)
         m = arms[arm]["memory"]
         rows.append({"arm": arm, "against": against, "isolates": what, "accuracy_change": c.mean, "low": c.low,
-                     "high": c.high, "seeds": c.n, f"{'optimizer' if study == 'kahan' else 'activations'}_mib":
-                     m[f"{'optimizer' if study == 'kahan' else 'activations'}_mib"], "total_mib": m["total_mib"],
+                     "high": c.high, "seeds": c.n, f"{STUDY_CATEGORY[study]}_mib": m[f"{STUDY_CATEGORY[study]}_mib"],
+                     "total_mib": m["total_mib"],
                      "reduction": base_mib / m["total_mib"],
                      "time_ratio": statistics.median(arms[arm]["step_s"]) / statistics.median(arms[against]["step_s"])})
     return pd.DataFrame(rows)
@@ -114,7 +134,7 @@ def caption(res: dict[str, Any]) -> str:
             f"{res['batch_size']}, seeds {res['seeds']} (every arm on each; changes paired by seed, Student's t, 95%). "
             f"Memory: WRN-28-2 at batch 128, full size, accounted; reduction against the fp32 baseline. Time: median "
             f"seconds per step of the arm over its against's, from the training runs themselves (one machine, one run "
-            f"after another).")
+            f"after another{', ' + res['machine'] if 'machine' in res else ''}).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,17 +144,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics", type=Path, required=True, help="write every arm's per-seed accuracy and memory here")
     ap.add_argument("--tables", type=Path, help="also write each study's paired comparisons as Markdown into this folder "
                     "(11_levers_<study>.md)")
+    ap.add_argument("--only", nargs="+", metavar="ARM", help=f"train these arms only (a study of its own, written to "
+                    f"--metrics; pair arms only within one file: one machine, one run store); arms: {', '.join(ARMS)}")
     args = ap.parse_args(argv)
     try:
+        unknown = sorted(set(args.only or ()) - set(ARMS))
+        if unknown:
+            raise ValueError(f"--only: unknown arm(s) {unknown}; arms: {', '.join(ARMS)}")
         p = resolve_task("wrn", yaml.safe_load(args.params.read_text()))
         p.train["data_root"] = args.data_root
-        res = train_arms(p)
+        res = train_arms(p, only=args.only)
     except (ParamError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs.write_json(args.metrics, res)
     for study in PAIRS if args.tables else ():
-        (args.tables / f"11_levers_{study}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
+        if all(a in res["arms"] for pair in PAIRS[study] for a in pair):
+            (args.tables / f"11_levers_{study}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
     return 0
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import math
+import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 from sacrebleu.metrics import BLEU
@@ -155,3 +157,16 @@ def sd_interval(sd: float, n: int) -> tuple[float, float]:
     """The 95% interval of a normal population's sd from a sample sd of ``n`` values (chi-square)."""
     tail = (1 - LEVEL) / 2
     return (sd * math.sqrt((n - 1) / stats.chi2.ppf(1 - tail, n - 1)), sd * math.sqrt((n - 1) / stats.chi2.ppf(tail, n - 1)))
+
+
+def machine() -> str:
+    """The CPU a study's runs trained on, as the kernel names it (Linux), else Python's guess. The same seed trains
+    to other numbers on another CPU (its kernels round differently), so a study records it and pairs runs only within
+    one machine's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

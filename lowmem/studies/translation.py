@@ -8,7 +8,10 @@ Trained runs are evaluated on their last checkpoint without averaging, as a DSR 
 averaged (its sparse patterns move). The captions, figures, tables and metrics of notebook 08 are at the end
 (``results`` reads the training stage's result, or runs it where a notebook opens before ``dvc repro``).
 
-    python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE
+    python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE [--only NAME ...]
+
+``--only`` trains and times the named techniques and the baseline into a metrics file of their own (stage
+translation_levers_train, the levers beyond the paper): runs pair only within one file, one machine's.
 """
 
 from __future__ import annotations
@@ -138,6 +141,16 @@ def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> di
         del r["hypotheses"]  # kept in each run's generate.txt; the metrics stay small
     return {"profile": p.profile, "max_update": p.max_update, "seed": p.seed, "trained": trained, "timing": timing,
             "time_ratio": {n: round(float(per[n] / per["baseline"]), 3) for n in p.timed}}
+
+
+def run_only(p: TranslationTechniquesParams, only: list[str], data_dir: Path = translation.DATA) -> dict[str, Any]:
+    """``run`` for the baseline and the techniques ``only``, with the CPU it ran on (``machine``): a study of its
+    own, since the same seed trains to another BLEU on another CPU, so runs pair only within one result."""
+    unknown = sorted(set(only) - set(p.techniques))
+    if unknown:
+        raise ParamError(f"--only: unknown technique(s) {unknown}; techniques: {', '.join(p.techniques)}")
+    names = ["baseline", *[n for n in only if n != "baseline"]]
+    return {**run(dataclasses.replace(p, trained=names, timed=names), data_dir), "machine": quality.machine()}
 
 
 @dataclasses.dataclass
@@ -297,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", type=Path, default=translation.DATA)
     ap.add_argument("--metrics", type=Path, required=True, help="write the runs' BLEU and step times here as JSON")
     ap.add_argument("--results", type=Path, help="a copy of the metrics, kept in the DVC cache (dvc.yaml)")
+    ap.add_argument("--only", nargs="+", metavar="NAME", help="train and time these techniques and the baseline only "
+                    "(a study of its own, written to --metrics)")
     args = ap.parse_args(argv)
     try:
-        result = run(load("translation_techniques", args.params), args.data_dir)
+        p = load("translation_techniques", args.params)
+        if args.only:
+            result = run_only(p, args.only, args.data_dir)
+        else:
+            result = run(p, args.data_dir)
     except (ParamError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

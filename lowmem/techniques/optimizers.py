@@ -57,11 +57,8 @@ def make(params: Iterable[torch.Tensor], name: str, lr: float, momentum: float, 
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay)
     if name == "bnb-sgd8bit":
-        # Its code book is built from Python lists at construction; the accountant's default meta device (lowmem.wrn.memory)
-        # could not hold them. The first step moves it to the parameters' device.
-        with torch.device("cpu"):
-            return bnb_optim().SGD8bit(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=False,
-                                       min_8bit_size=MIN_8BIT_SIZE)
+        return _on_cpu(bnb_optim().SGD8bit, params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=False,
+                       min_8bit_size=MIN_8BIT_SIZE)
     import optimi
 
     # foreach=False: one parameter at a time, as the accountant's meta tensors and the CPU run alike take it.
@@ -79,6 +76,19 @@ def bnb_optim() -> Any:
     finally:
         cpu_ops.setLevel(level)
     return bitsandbytes.optim
+
+
+def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW with both moments block-wise in 8 bits (``MIN_8BIT_SIZE``, ``BLOCK``): DynamicConv's lever
+    (the fairseq plugin's ``lowmem_adamw8bit``) and ``lowmem profile --optimizer adamw-8bit``'s."""
+    return _on_cpu(bnb_optim().AdamW8bit, params, **options, min_8bit_size=MIN_8BIT_SIZE)
+
+
+def _on_cpu(cls: Any, params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
+    # bitsandbytes builds its code books from Python lists at construction; an accountant's default meta device
+    # (lowmem.wrn.memory) could not hold them. The first step moves them to the parameters' device.
+    with torch.device("cpu"):
+        return cls(params, **options)
 
 
 def realign(state: dict[str, Any], shape: torch.Size, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
