@@ -52,6 +52,16 @@ def test_attention_is_accounted_on_fake_cpu_tensors_not_meta():
     assert profile.account(req).peak == _real_account(req) != profile.account(req, shapes="meta").peak
 
 
+@pytest.mark.parametrize("optimizer", ["adamw-8bit", "bnb-sgd8bit"])
+def test_8bit_optimizer_state_is_accounted_on_fake_tensors_as_on_real_ones_and_as_the_profiler_sees_it(optimizer):
+    """bitsandbytes' state is built on fake tensors as on real ones; its CPU kernel dequantizes each parameter's state
+    to fp32 temporaries, which the account leaves out (a fused GPU kernel has none) and the CPU workspace adds."""
+    req = Request("torchvision:resnet18", 4, (3, 32, 32), optimizer)
+    report, with_workspace = profile.measure(req)
+    assert report.peak == _real_account(req)
+    assert with_workspace == report.measured_peak > report.peak
+
+
 def test_adafactor_is_accounted_on_meta_as_on_real_tensors():
     req = Request("torchvision:resnet18", 4, (3, 32, 32), "adafactor")
     assert profile.account(req).peak == _real_account(req)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 OPTIMIZERS = ("sgd", "optimi-sgd", "bnb-sgd8bit")
 BLOCK = 256  # elements per absmax of bitsandbytes' block-wise 8-bit state (fixed in its CPU and CUDA kernels)
@@ -85,9 +86,10 @@ def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Opt
 
 
 def _on_cpu(cls: Any, params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
-    # bitsandbytes builds its code books from Python lists at construction; an accountant's default meta device
-    # (lowmem.wrn.memory) could not hold them. The first step moves them to the parameters' device.
-    with torch.device("cpu"):
+    # bitsandbytes builds its code books from values at construction, which neither an accountant's default meta
+    # device (lowmem.wrn.memory) nor its fake tensors (lowmem.cli.profile) hold: they are built as real CPU tensors,
+    # and the first step moves them to the parameters' device.
+    with unset_fake_temporarily(), torch.device("cpu"):
         return cls(params, **options)
 
 
