@@ -164,3 +164,5 @@ def test_a_missing_library_stops_before_any_compute_naming_what_to_install(monke
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ValueError, match="optimizer='bnb-sgd8bit' needs bitsandbytes, which is not installed: `make setup`"):
         Techniques(optimizer="bnb-sgd8bit")
+    with pytest.raises(ValueError, match="lowmem_adamw8bit\\) needs bitsandbytes, which is not installed: `make setup`"):
+        optimizers.adamw8bit([nn.Parameter(torch.zeros(2))], lr=1e-3)

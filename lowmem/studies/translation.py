@@ -218,7 +218,8 @@ def memory_figure(p: TranslationTechniquesParams, mem: pd.DataFrame) -> Figure:
     ax.invert_yaxis()
     ax.set(xlabel="MiB at the update's peak (accounted)", ylabel="", xlim=(0, mem.total_mib.max() * 1.35),
            title=f"DynamicConv (full size), one update at {p.max_tokens} tokens · profile: {p.profile} · inputs: random tokens (shapes only)")
-    ax.legend(loc="lower right", frameon=True)
+    # Beside the bars, not over them: a bar of any length may end at the legend's corner.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=True)
     fig.text(0.5, -0.02, memory_caption(p), ha="center", va="top", wrap=True, fontsize=8)
     return fig
 

@@ -82,6 +82,9 @@ def bnb_optim() -> Any:
 def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW with both moments block-wise in 8 bits (``MIN_8BIT_SIZE``, ``BLOCK``): DynamicConv's lever
     (the fairseq plugin's ``lowmem_adamw8bit``) and ``lowmem profile --optimizer adamw-8bit``'s."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError("8-bit AdamW (adamw-8bit, the plugin's lowmem_adamw8bit) needs bitsandbytes, which is not "
+                         "installed: `make setup` installs the pinned bitsandbytes (requirements-2.txt)")
     return _on_cpu(bnb_optim().AdamW8bit, params, **options, min_8bit_size=MIN_8BIT_SIZE)
 
 
