@@ -307,6 +307,7 @@ class Study:
     reference: dict[str, Any]
     beyond: dict[str, pd.DataFrame]  # per task, configurations with a lever beyond the paper (``beyond_rows``)
     best_beyond: dict[str, pd.DataFrame]  # ``best_within`` over the paper's combinations and those, together
+    accounted: dict[str, int]  # per task, every combination of the sweep, levers beyond the paper included
 
     @property
     def profile(self) -> dict[str, str]:
@@ -347,13 +348,15 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     best_beyond = {t: pd.concat([best_within(pd.concat([res[t], b], ignore_index=True), budgets[t], rule=rule)
                                  for rule in RULES], ignore_index=True) for t, b in beyond.items()}
     return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference(),
-                 beyond=beyond, best_beyond=best_beyond)
+                 beyond=beyond, best_beyond=best_beyond,
+                 accounted={task: len(pd.read_csv(sweep_dir / f"{task}_sweep.csv")) for task in budgets})
 
 
 def overview(s: Study) -> str:
     """One line per task (Markdown): how many combinations were accounted and trained, and the largest reduction."""
     return "\n\n".join(
-        f"**{task}**: {len(r)} combinations accounted, {int(r.quality_change.notna().sum())} trained; "
+        f"**{task}**: {s.accounted[task]} combinations accounted ({len(r)} of the paper's levers alone), "
+        f"{int(r.quality_change.notna().sum())} of those with a quality; "
         f"best accounted reduction {r.reduction.max():.1f}x ({r.loc[r.reduction.idxmax(), 'name']})."
         for task, r in s.results.items())
 
@@ -550,7 +553,7 @@ def metrics(s: Study) -> dict[str, Any]:
     }
     for task, r in s.results.items():
         summary[task] = {
-            "accounted": len(r), "with_quality": int(r.quality_change.notna().sum()),
+            "accounted": s.accounted[task], "accounted_paper_levers": len(r), "with_quality": int(r.quality_change.notna().sum()),
             "max_accounted_reduction": round(float(r.reduction.max()), 2),
             "trained_runs": int(r.quality_from.str.startswith("stage").sum()),
             "exact_by_test": int(r.quality_from.str.startswith("exact").sum()),
