@@ -1,6 +1,7 @@
 """Quantized optimizer state (lowmem.techniques.optimizers, ``bnb-sgd8bit``): bitsandbytes' SGD with 8-bit block-wise
 momentum. Its bytes come from first principles, its update is the fp32 heavy-ball update of the dequantized momentum,
-the stored momentum is within half a code step of the exact one, DSR's rewiring keeps it, and resuming is exact."""
+the stored momentum is within half the code book's widest step (times its block's maximum) of the exact one, DSR's
+rewiring keeps it, and resuming is exact."""
 
 import pytest
 import torch

@@ -93,3 +93,11 @@ def test_the_levers_table_pairs_each_arm_by_seed_and_reduces_against_the_baselin
     assert row.reduction == pytest.approx(100 / 52)
     assert t.loc[("half-bf16", "baseline")].low < t.loc[("half-bf16", "baseline")].accuracy_change
     assert len(t) == len(levers.PAIRS["kahan"])
+
+
+def test_the_levers_study_refuses_an_unknown_arm_before_any_training(tmp_path, capsys) -> None:
+    from lowmem.studies import levers
+
+    assert levers.main(["--metrics", str(tmp_path / "m.json"), "--only", "baseline", "nope"]) == 2
+    assert "--only: unknown arm(s) ['nope']; arms: baseline," in capsys.readouterr().err
+    assert not (tmp_path / "m.json").exists()

@@ -128,6 +128,18 @@ def test_an_8bit_momentum_run_with_dsr_resumes_exactly_and_is_its_own_run(tmp_pa
     p, tech = tiny(tmp_path, epochs=2), Techniques(sparsity=0.5, precision="half-bf16", optimizer="bnb-sgd8bit",
                                                    dsr_periods=(1, 1, 1, 1))
     whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
-    resumed = killed_after_epoch_then_resumed(p, 1, tmp_path / "cut", tech)
+    cut = tmp_path / "cut"
+
+    def check_checkpoint_then_interrupt(done: int, _: dict) -> None:
+        saved = torch.load(store_run(p, 0, tech, root=cut).dir / "checkpoint.pt", weights_only=False)
+        # bitsandbytes nests each parameter's state tensors under one key of its state dict.
+        states = [st["__bnb_optimizer_quant_state__"] for st in saved["optimizer"]["state"].values()]
+        assert any(st["state1"].dtype == torch.uint8 and "absmax1" in st for st in states)
+        assert saved["dsr"]["rewirings"] > 0  # DSR requantized 8-bit momentum before this checkpoint
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(p, 0, tech, progress=False, on_epoch_end=check_checkpoint_then_interrupt, root=cut)
+    resumed = train(p, 0, tech, progress=False, root=cut)
     assert results(resumed) == results(whole)
     assert store_run(p, 0, tech).key != store_run(p, 0, Techniques(sparsity=0.5, precision="half-bf16", dsr_periods=(1, 1, 1, 1))).key

@@ -455,3 +455,16 @@ def test_8bit_adamw_trains_with_fairseq_and_keeps_8bit_moments(data: Path) -> No
     big = [p for p in t.model.parameters() if p.grad is not None and p.numel() >= 4096]
     assert big and all(state[p]["state1"].dtype == state[p]["state2"].dtype == torch.uint8 for p in big)
     assert all(not torch.equal(a, b) for a, b in zip(start, t.model.parameters()) if b.grad is not None and b.numel() >= 4096)
+
+
+def test_run_only_trains_the_named_techniques_beside_the_baseline_and_says_on_which_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowmem.studies import quality
+
+    p = TranslationTechniquesParams(techniques={"baseline": [], "a": ["--sparsity", "0.5"], "b": ["--checkpoint-activations"]})
+    seen = []
+    monkeypatch.setattr(translation_study, "run", lambda q, data_dir: seen.append(q) or {"trained": []})
+    out = translation_study.run_only(p, ["b"])
+    assert seen[0].trained == seen[0].timed == ["baseline", "b"]
+    assert out["machine"] == quality.machine()
+    with pytest.raises(ParamError, match=r"--only: unknown technique\(s\) \['c'\]; techniques: baseline, a, b"):
+        translation_study.run_only(p, ["c"])

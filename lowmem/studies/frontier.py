@@ -560,8 +560,10 @@ def metrics(s: Study) -> dict[str, Any]:
             "best_within": {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
                             for rule, b in best[task].groupby("rule", sort=False)},
         }
-        if task in best_beyond:  # the paper's levers and those beyond it (stage levers_train), together
-            summary[task]["beyond_paper_trained"] = len(s.beyond[task])
+        if task in best_beyond:  # the paper's levers and those beyond it (the levers' own studies), together
+            b = s.beyond[task]
+            summary[task]["beyond_paper_trained"] = int(b.quality_from.str.startswith("stage").sum())
+            summary[task]["beyond_paper_exact_by_test"] = int(b.quality_from.str.startswith("exact").sum())
             summary[task]["best_within_beyond"] = {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
                                                    for rule, b in best_beyond[task].groupby("rule", sort=False)}
     return summary

@@ -15,13 +15,14 @@ baseline and the paper's arms are the combination study's own runs, from the run
 Each arm's accuracy change is paired over seeds with Student's t (``lowmem.studies.quality.paired``) against the
 baseline and against the arm it adds one lever to, which separates that lever's cost. Memory is accounted at full
 size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``). The frontier (``lowmem.studies.frontier``) takes the arms with
-a lever beyond the paper into the headline's row "with levers beyond the paper".
+a lever beyond the paper into the headline's rows "the paper's and beyond".
 
     python -m lowmem.studies.levers --metrics metrics/levers_train.json --tables figures [--only ARM ...]
 
 ``--only`` trains the named arms alone, into a metrics file of their own: arms are paired only within one file,
-since the same seed gives other accuracies on another CPU (oneDNN picks other kernels), and each file is one
-machine's (``machine``). A study's table is written where its file has all of its arms. Stage levers_state_train:
+since the same seed gives other accuracies on another CPU (oneDNN picks other kernels). ``machine`` is the CPU that
+ran the command; runs it takes from the run store keep their own numbers, and run keys leave the machine out, so a
+study is trained through an empty store on one machine (as levers_state_train was). A study's table is written where its file has all of its arms. Stage levers_state_train:
 
     python -m lowmem.studies.levers --metrics metrics/levers_state_train.json --tables figures --only baseline \
         optimi-sgd microbatch-8+checkpoint-block bnb-sgd8bit microbatch-8+checkpoint-block+bnb-sgd8bit
