@@ -37,12 +37,6 @@ def _bound(state: dict) -> torch.Tensor:
     return (state["absmax1"].repeat_interleave(256)[: state["state1"].numel()] * half_gap).view_as(state["state1"])
 
 
-def _dequantized(state: dict) -> torch.Tensor:
-    import bitsandbytes.functional as bnbf
-
-    return bnbf.dequantize_blockwise(state["state1"], absmax=state["absmax1"], code=state["qmap1"], blocksize=256)
-
-
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_the_8bit_momentum_is_counted_at_its_real_bytes(device: str) -> None:
     with torch.device(device):
@@ -93,7 +87,7 @@ def test_each_step_is_the_fp32_update_of_the_dequantized_momentum_and_stores_it_
         g = torch.randn(64, 128, generator=torch.Generator().manual_seed(i)) * (1 + i % 3)
         w_before = w.detach().clone()
         state = opt.state.get(w)
-        m_before = _dequantized(state) if state else None
+        m_before = optimizers.dequantized(state) if state else None
         w.grad = g.clone()
         opt.step()
         state = opt.state[w]
@@ -101,7 +95,7 @@ def test_each_step_is_the_fp32_update_of_the_dequantized_momentum_and_stores_it_
         m_exact = d if m_before is None else m_before.mul(MOMENTUM).add_(d)
         assert torch.equal(w.detach(), w_before.add(m_exact, alpha=-LR))
         assert state["state1"].dtype == torch.uint8
-        err = (_dequantized(state) - m_exact).abs()
+        err = (optimizers.dequantized(state) - m_exact).abs()
         assert (err <= _bound(state) * SLACK).all()
         worst = max(worst, (err / _bound(state)).max().item())
     assert worst > 0.5  # rounding does happen: the bound is not slack by orders of magnitude
@@ -119,13 +113,13 @@ def test_dsr_rewiring_keeps_the_8bit_momentum_of_survivors_and_zeroes_the_regrow
         opt.zero_grad()
         layer(torch.randn(2, 64, 6, 6, generator=torch.Generator().manual_seed(i))).pow(2).mean().backward()
         opt.step()
-    before = dict(zip(layer.indices.tolist(), _dequantized(opt.state[layer.values]).tolist()))
+    before = dict(zip(layer.indices.tolist(), optimizers.dequantized(opt.state[layer.values]).tolist()))
     kept = {k for k, v in zip(layer.indices.tolist(), layer.values.tolist()) if abs(v) >= 0.01}  # DSR's threshold
     bound_before = _bound(opt.state[layer.values]).max().item()
     dsr = sparsity.DSR({"c": layer}, 10, reallocate=2000, periods=(1,), phases=(0.0,), stop=2.0, threshold=0.01, seed=0)
     dsr.rewire(opt)
     state = opt.state[layer.values]
-    after = dict(zip(layer.indices.tolist(), _dequantized(state).tolist()))
+    after = dict(zip(layer.indices.tolist(), optimizers.dequantized(state).tolist()))
     assert state["state1"].dtype == torch.uint8 and state["state1"].shape == layer.values.shape
     regrown = after.keys() - kept  # new positions, and pruned ones drawn again: both start from zero
     assert regrown and kept < after.keys() and len(kept) < len(before)

@@ -19,7 +19,7 @@ from lowmem.dynamicconv.params import TranslationDataParams, TranslationTechniqu
 from lowmem.dynamicconv.plugin import ARCH, TASK
 from lowmem.dynamicconv.translation import PLUGIN_DIR
 from lowmem.studies import translation as translation_study
-from lowmem.techniques import sparse_linear
+from lowmem.techniques import optimizers, sparse_linear
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_translation import TINY_MODEL  # noqa: E402
@@ -413,8 +413,6 @@ def test_each_8bit_adamw_step_is_fp32_adamw_from_the_moments_as_stored_and_store
     """An 8192-element weight over many steps: the new weight is exactly fp32 AdamW (decoupled weight decay, bias
     corrections) computed from the dequantized moments, and each stored moment is within half its code book's widest
     step, times its block's maximum, of the exact moment (1% slack: the CPU quantizer compares in fp32)."""
-    import bitsandbytes.functional as bnbf
-
     from lowmem.dynamicconv.plugin import LowmemAdamW8bit, LowmemAdamW8bitConfig
 
     lr, wd, (b1, b2), eps = 1e-2, 1e-2, (0.9, 0.98), 1e-8
@@ -422,8 +420,7 @@ def test_each_8bit_adamw_step_is_fp32_adamw_from_the_moments_as_stored_and_store
     opt = LowmemAdamW8bit(LowmemAdamW8bitConfig(lr=[lr], weight_decay=wd, adam_betas=(b1, b2), adam_eps=eps), [w])
 
     def moments(s: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(bnbf.dequantize_blockwise(s[f"state{i}"], absmax=s[f"absmax{i}"], code=s[f"qmap{i}"], blocksize=256)
-                     for i in (1, 2))  # type: ignore[return-value]
+        return optimizers.dequantized(s, 1), optimizers.dequantized(s, 2)
 
     def bound(s: dict, i: int) -> torch.Tensor:
         codes = s[f"qmap{i}"].sort().values

@@ -44,10 +44,14 @@ def check(name: str) -> None:
     if name not in OPTIMIZERS:
         raise ValueError(f"optimizer={name!r} is not one of {', '.join(OPTIMIZERS)}")
     if name in _LIBRARIES:
-        module, package = _LIBRARIES[name]
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(f"optimizer={name!r} needs {package}, which is not installed: `make setup` installs the "
-                             f"pinned {package} (requirements-2.txt)")
+        _require(*_LIBRARIES[name], f"optimizer={name!r}")
+
+
+def _require(module: str, package: str, what: str) -> None:
+    """Raises ValueError, saying what to install, where ``module`` (from the pinned ``package``) is missing."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{what} needs {package}, which is not installed: `make setup` installs the pinned {package} "
+                         "(requirements-2.txt)")
 
 
 def make(params: Iterable[torch.Tensor], name: str, lr: float, momentum: float, nesterov: bool,
@@ -82,9 +86,7 @@ def bnb_optim() -> Any:
 def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
     """bitsandbytes' AdamW with both moments block-wise in 8 bits (``MIN_8BIT_SIZE``, ``BLOCK``): DynamicConv's lever
     (the fairseq plugin's ``lowmem_adamw8bit``) and ``lowmem profile --optimizer adamw-8bit``'s."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError("8-bit AdamW (adamw-8bit, the plugin's lowmem_adamw8bit) needs bitsandbytes, which is not "
-                         "installed: `make setup` installs the pinned bitsandbytes (requirements-2.txt)")
+    _require("bitsandbytes", "bitsandbytes", "8-bit AdamW (adamw-8bit, the plugin's lowmem_adamw8bit)")
     return _on_cpu(bnb_optim().AdamW8bit, params, **options, min_8bit_size=MIN_8BIT_SIZE)
 
 
@@ -96,6 +98,14 @@ def _on_cpu(cls: Any, params: Iterable[torch.Tensor], **options: Any) -> torch.o
         return cls(params, **options)
 
 
+def dequantized(state: dict[str, Any], i: int = 1) -> torch.Tensor:
+    """bitsandbytes' block-wise 8-bit state tensor ``i`` (1: momentum or Adam's first moment, 2: Adam's second) of
+    one parameter, as the fp32 values its step computes with."""
+    import bitsandbytes.functional as bnbf
+
+    return bnbf.dequantize_blockwise(state[f"state{i}"], absmax=state[f"absmax{i}"], code=state[f"qmap{i}"], blocksize=BLOCK)
+
+
 def realign(state: dict[str, Any], shape: torch.Size, move: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Applies ``move`` (survivors kept, new positions zero; lowmem.techniques.sparsity's DSR) to the per-element
     state of one parameter of ``shape``, in place of ``state``. bitsandbytes' block-wise 8-bit state is dequantized,
@@ -104,9 +114,7 @@ def realign(state: dict[str, Any], shape: torch.Size, move: Callable[[torch.Tens
         if f"absmax{i}" in state and state[f"state{i}"].dtype == torch.uint8:
             import bitsandbytes.functional as bnbf
 
-            values = bnbf.dequantize_blockwise(state[f"state{i}"], absmax=state[f"absmax{i}"], code=state[f"qmap{i}"],
-                                               blocksize=BLOCK)
-            codes, qs = bnbf.quantize_blockwise(move(values), code=state[f"qmap{i}"], blocksize=BLOCK)
+            codes, qs = bnbf.quantize_blockwise(move(dequantized(state, i)), code=state[f"qmap{i}"], blocksize=BLOCK)
             state[f"state{i}"], state[f"absmax{i}"] = codes, qs.absmax
     for key, s in list(state.items()):
         if isinstance(s, torch.Tensor) and s.shape == shape and s.dtype != torch.uint8:
