@@ -3,6 +3,7 @@ guard. The training itself runs in notebook 08 at the smoke profile (nbval)."""
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,15 +14,19 @@ from lowmem.dynamicconv.params import TranslationTechniquesParams
 from lowmem.studies import bleu_noise
 
 
-def result(scores: list[float], pairs: list[tuple[float, float]]) -> dict:
-    return {"profile": "cpu", "max_update": 600, "bootstrap_resamples": 1000,
-            "runs": [{"seed": s, "key": f"k{s}", "trained": True, "sacrebleu": b, "bleu_tokenized": b} for s, b in enumerate(scores)],
-            "pairs": [{"seeds": f"p{i}", "change": (lo + hi) / 2, "low": lo, "high": hi} for i, (lo, hi) in enumerate(pairs)]}
+def result(scores: list[float], pairs: list[tuple[float, float]], updates: tuple[int, ...] = (600,)) -> dict:
+    """A stage result: seed i scores ``scores[i] + j`` at the j-th update count; ``pairs`` at every count."""
+    return {"profile": "cpu", "max_update": 600, "updates": list(updates), "bootstrap_resamples": 1000,
+            "runs": [{"seed": s, "key": f"k{s}", "trained": True,
+                      "scores": [{"updates": u, "sacrebleu": b + j, "bleu_tokenized": b + j} for j, u in enumerate(updates)]}
+                     for s, b in enumerate(scores)],
+            "pairs": [{"updates": u, "seeds": f"p{i}", "change": (lo + hi) / 2, "low": lo, "high": hi}
+                      for u in updates for i, (lo, hi) in enumerate(pairs)]}
 
 
 def test_the_spread_half_widths_and_coverage_follow_from_the_scores() -> None:
     # sd of 10, 11, 12 is 1; an interval touching zero covers it
-    row = bleu_noise.summary_row(result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)]))
+    row = bleu_noise.summary_row(result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)]), 600)
     assert row["seed_sd"] == pytest.approx(1.0) and row["sacrebleu_mean"] == pytest.approx(11.0)
     assert row["pairs_covering_zero"] == "2/3"
     assert row["bootstrap_half_width"] == pytest.approx(0.5)  # median of 0.5, 0.5, 0.35
@@ -36,12 +41,36 @@ def test_the_spread_half_widths_and_coverage_follow_from_the_scores() -> None:
 def test_a_committed_result_for_other_seeds_is_refused_with_the_command(tmp_path: Path) -> None:
     f = tmp_path / "bleu_noise_train.json"
     f.write_text(json.dumps(result([10.0, 11.0], [(-1.0, 1.0)])))
-    p = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1, 2])
+    p = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1, 2], noise_updates=[600])
     with pytest.raises(ParamError, match="python -m lowmem.studies.bleu_noise"):
         bleu_noise.results(p, tmp_path, f)
-    assert bleu_noise.results(TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1]), tmp_path, f)["pairs"]
+    longer = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1], noise_updates=[600, 1000])
+    with pytest.raises(ParamError, match="noise_updates"):  # other lengths than the committed ones
+        bleu_noise.results(longer, tmp_path, f)
+    same = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1], noise_updates=[600])
+    assert bleu_noise.results(same, tmp_path, f)["pairs"]
     with pytest.raises(ParamError, match="is missing"):  # minutes per seed: never trained inside a cpu notebook
         bleu_noise.results(p, tmp_path, tmp_path / "absent.json")
+
+
+def test_each_update_count_is_summarized_from_its_own_scores_and_pairs() -> None:
+    res = result([10.0, 11.0, 14.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)], updates=(600, 1000))
+    res["runs"][2]["scores"][1]["sacrebleu"] = 13.0  # at 1000: 11, 12, 13 (sd 1); at 600: 10, 11, 14
+    res["pairs"][3]["low"] = 0.1  # at 1000, the first pair no longer holds zero
+    table = bleu_noise.summary(res)
+    assert list(table.updates) == [600, 1000]
+    assert table.seed_sd.tolist() == pytest.approx([statistics.stdev([10.0, 11.0, 14.0]), 1.0])
+    assert table.sacrebleu_mean.tolist() == pytest.approx([35 / 3, 12.0])
+    assert table.pairs_covering_zero.tolist() == ["2/3", "1/3"]
+    m = bleu_noise.metrics(res)  # the techniques' length leads; every length is below it
+    assert m["seed_sd"] == pytest.approx(round(statistics.stdev([10.0, 11.0, 14.0]), 3))
+    assert m["by_updates"]["1000"]["seed_sd"] == 1.0 and m["updates"] == [600, 1000]
+
+
+def test_update_counts_must_rise_and_hold_the_techniques_run_length() -> None:
+    for bad in ([], [1000, 600], [600, 600], [0, 600], [300, 900]):
+        with pytest.raises(ParamError, match="noise_updates"):
+            TranslationTechniquesParams(max_update=600, noise_updates=bad)
 
 
 def test_fewer_than_two_seeds_is_refused_before_training(tmp_path: Path) -> None:
@@ -50,11 +79,16 @@ def test_fewer_than_two_seeds_is_refused_before_training(tmp_path: Path) -> None
 
 
 def test_the_figure_marks_each_pair_by_whether_it_holds_zero_and_draws_the_seed_half_widths() -> None:
-    res = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.2, 0.9), (0.1, 1.0)])
+    res = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.2, 0.9), (0.1, 1.0)], updates=(600, 1000))
+    res["runs"][2]["scores"][1]["sacrebleu"] = 15.0  # at 1000: 11, 12, 15
     fig = bleu_noise.figure(res)
-    _, pairs, widths = fig.axes
+    seeds, pairs, widths = fig.axes
+    assert [list(line.get_ydata()) for line in seeds.get_lines()] == [[10.0, 11.0], [11.0, 12.0], [12.0, 15.0]]
     labels = pairs.get_legend_handles_labels()[1]
-    assert labels == ["holds 0: 1 of 3", "excludes 0: 2 of 3"]
-    curve = widths.get_lines()[0]
-    assert list(curve.get_xdata()) == list(range(2, max(bleu_noise.SEEDS_SHOWN) + 1))
-    assert curve.get_ydata()[1] == pytest.approx(bleu_noise.half_width(1.0, 3))
+    assert labels == ["holds 0: 2 of 6", "excludes 0: 4 of 6"]
+    assert len(pairs.get_yticklabels()) == 6
+    at600, at1000 = widths.get_lines()[:2]
+    assert list(at600.get_xdata()) == list(range(2, max(bleu_noise.SEEDS_SHOWN) + 1))
+    assert at600.get_ydata()[1] == pytest.approx(bleu_noise.half_width(1.0, 3))
+    assert at1000.get_ydata()[1] == pytest.approx(bleu_noise.half_width(statistics.stdev([11.0, 12.0, 15.0]), 3))
+    assert widths.get_legend_handles_labels()[1] == ["600 updates", "1000 updates"]

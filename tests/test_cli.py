@@ -1,6 +1,8 @@
 """`lowmem profile` and `lowmem plan` (lowmem.cli): the accountant on models no one here wrote, against the real
 tensors' account and PyTorch's profiler; the budget's units; the plan's filters and Pareto set; bad input."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -97,7 +99,8 @@ def test_a_bad_budget_names_the_units(text):
         plan.budget_bytes(text)
 
 
-SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "planned"), activation_bits=(0, 4), microbatch_steps=2)
+SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "planned"), activation_bits=(0, 4),
+                    optimizer_state=("given",), microbatch_steps=2)
 
 
 def test_plan_keeps_what_fits_and_its_pareto_set():
@@ -135,7 +138,8 @@ def test_the_planned_placement_is_the_least_recompute_that_fits():
     front = checkpoint.frontier(costs, lengths)
     least = min(profile.account(req, segments=checkpoint.split(s, lengths)).peak for _, _, s in front)
     budget = (plain + least) // 2
-    levers = plan.Levers(precision=("fp32",), checkpoint=("planned",), activation_bits=(0,), microbatch_steps=1)
+    levers = plan.Levers(precision=("fp32",), checkpoint=("planned",), activation_bits=(0,), optimizer_state=("given",),
+                         microbatch_steps=1)
     p = plan.make_plan(req, budget, progress=False, levers=levers)
     (row,) = p.fitting.itertuples()
     assert row.checkpoint == "planned" and row.peak_bytes <= budget
@@ -146,6 +150,37 @@ def test_the_planned_placement_is_the_least_recompute_that_fits():
         if r < rec:
             assert profile.account(req, segments=checkpoint.split(segs, lengths)).peak > budget
     assert "checkpoint_chains(model, segments=[[" in row.how_to_apply
+
+
+def test_the_optimizer_state_lever_swaps_the_optimizer_and_its_measured_risk():
+    from lowmem.studies import levers as lever_study
+
+    req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
+    levers = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none",), activation_bits=(0,), microbatch_steps=1)
+    # Kahan only under 16-bit weights; every other setting once per optimizer state.
+    assert [(t.precision, o) for t, _, o in plan.grid(req, True, levers)] == [
+        ("fp32", "sgd-momentum"), ("fp32", "bnb-sgd8bit"), ("half-bf16", "sgd-momentum"), ("half-bf16", "bnb-sgd8bit"),
+        ("half-bf16", "optimi-sgd")]
+    assert [o for *_, o in plan.grid(Request("wrn:wrn-10-1", 8, (3, 32, 32), "adam"), True, levers)] == ["adam", "adam"]
+    with pytest.raises(ValueError, match="optimizer_state"):
+        plan.grid(req, True, plan.Levers(optimizer_state=("4-bit",)))
+    rows = plan.make_plan(req, 2**40, progress=False, levers=levers).rows.set_index(["precision", "optimizer"])
+    for (precision, opt), r in rows.iterrows():  # each row is the account of its own optimizer
+        assert r.peak_bytes == profile.account(dataclasses.replace(req, optimizer=opt), r.tech).peak
+    assert rows.peak_bytes[("fp32", "bnb-sgd8bit")] < rows.peak_bytes[("fp32", "sgd-momentum")]
+    assert rows.peak_bytes[("half-bf16", "optimi-sgd")] > rows.peak_bytes[("half-bf16", "sgd-momentum")]  # Kahan's buffer
+    eight = rows.loc[("fp32", "bnb-sgd8bit")]
+    assert "bitsandbytes.optim.SGD8bit" in eight.how_to_apply and eight.quality_risk.startswith("optimizer=bnb-sgd8bit: ")
+    # The risks are the committed studies' paired changes against the same update with fp32 state.
+    root = plan.ROOT / "metrics"
+    c = lever_study.change(json.loads((root / "levers_state_train.json").read_text()), "bnb-sgd8bit", "optimi-sgd")
+    assert (eight.predicted_change, eight.predicted_low) == (c.mean, c.low)
+    kahan = rows.loc[("half-bf16", "optimi-sgd")]
+    k = lever_study.change(json.loads((root / "levers_train.json").read_text()), "half-bf16+optimi-sgd", "optimi-sgd")
+    assert kahan.quality_risk.startswith("precision=half-bf16+kahan: ") and kahan.predicted_change == k.mean
+    both = rows.loc[("half-bf16", "bnb-sgd8bit")]  # two lossy levers: their effects add
+    plain16 = rows.loc[("half-bf16", "sgd-momentum")]
+    assert both.predicted_change == pytest.approx(plain16.predicted_change + c.mean)
 
 
 def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
@@ -218,6 +253,10 @@ def test_the_sac_cross_check_asks_both_tools_to_free_more_and_each_recomputes_mo
      "torchvision has no classification model 'resnet5'"),
     ({"sac_models": [{"name": "x", "model": "wrn:wrn-10-1"}]}, "each model is a mapping with exactly"),
     ({"memtracker_families": ["cnn"]}, "memtracker_families: \\['cnn'\\] unknown"),
+    ({"models": [{"name": "x", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum",
+                  "optimizer_state": ["given", "4-bit"]}]}, "optimizer_state must list 'given' and some of"),
+    ({"sac_models": [{"name": "x", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum",
+                      "optimizer_state": ["given"]}]}, "each model is a mapping with exactly"),
 ])
 def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
     from lowmem.cli import params as _registers_the_stage  # noqa: F401
@@ -235,6 +274,8 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
     req = Request("fairseq:lightconv_iwslt_de_en", 2, (8,), "adam", vocab=64)  # 16 tokens: --update-freq 1 or 2
     opts = plan_fairseq.options(req)
     assert opts["checkpoint"] == [[], ["--checkpoint-activations"]] and len(opts["microbatch"]) == 2
+    assert opts["optimizer"] == [[], ["--optimizer", "lowmem_adamw8bit"]]  # the plugin's, already on the command line
+    assert plan_fairseq.options(dataclasses.replace(req, optimizer="sgd"))["optimizer"] == [[]]  # no 8-bit counterpart
     plain = fairseq_memory.account(plan_fairseq.base_args(req) + opts["microbatch"][0], 64, 64, 16, 8).peak
     p = plan.make_plan(req, plain - 1, progress=False)  # the plain update does not fit
     assert len(p.fitting) >= 1
@@ -246,4 +287,10 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
             k1 = args[:i] + args[i + 2:]
             k1[k1.index("--max-tokens") + 1] = "16"
             assert fairseq_memory.account(k1, 64, 64, 16, 8).peak > plain - 1
-        assert (r.quality_risk == "exact") == (r.precision == "fp32" and "--update-freq" not in args)
+        assert (r.quality_risk == "exact") == (r.precision == "fp32" and "--update-freq" not in args and r.optimizer == "adam")
+    eight = p.rows[p.rows.optimizer == "lowmem_adamw8bit"]
+    given = p.rows[p.rows.optimizer == "adam"].set_index(["precision", "checkpoint", "microbatch"])
+    assert len(eight) >= 1
+    for r in eight.itertuples():  # 8-bit moments: less than the same flags with fp32 moments
+        assert r.peak_bytes < given.peak_bytes[(r.precision, r.checkpoint, r.microbatch)]
+        assert "--optimizer lowmem_adamw8bit: " in r.quality_risk and "DynamicConv sacreBLEU" in r.quality_risk

@@ -179,6 +179,33 @@ def test_a_finished_command_is_not_rerun_and_another_starts_over(trained: tuple[
     assert translation.store_run(TranslationTrainParams(**{**t.__dict__, "device": "auto"}), data).key == run.key
 
 
+@pytest.mark.slow
+def test_a_longer_runs_interval_checkpoint_is_the_shorter_runs_model(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
+    # BLEU over updates (lowmem.studies.bleu_noise) decodes one long run's interval checkpoints in place of runs
+    # stopped there: fairseq seeds each update from its number, and saving or validating in between draws nothing.
+    data, _, t = trained
+    # An epoch here is 10 updates; fairseq saves no interval checkpoint on an epoch's last update, hence 7.
+    longer = TranslationTrainParams(**{**t.__dict__, "max_update": 42, "recipe_args": [*t.recipe_args, "--dropout", "0.3"],
+                                       "scale_args": ["--save-interval-updates", "7"]})
+    short = TranslationTrainParams(**{**longer.__dict__, "max_update": 21, "scale_args": []})
+    translation.train(longer, data)
+    translation.train(short, data)
+    long_dir, short_dir = translation.store_run(longer, data).dir, translation.store_run(short, data).dir
+    at21 = translation.update_checkpoint(long_dir, 21, 42)
+    assert at21.name != "checkpoint_last.pt"
+    a = torch.load(at21, map_location="cpu", weights_only=False)["model"]
+    b = torch.load(short_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
+    # fairseq's scriptable DynamicConv allocates conv_bias uninitialized (torch.Tensor) and, without --conv-bias,
+    # never initializes, uses or updates it: its bytes are whatever memory held.
+    trained = [k for k in a if not k.endswith("conv.conv_bias")]
+    assert a.keys() == b.keys() and len(trained) > len(a) // 2
+    assert all(torch.equal(a[k], b[k]) for k in trained)
+    last = torch.load(translation.update_checkpoint(long_dir, 42, 42), map_location="cpu", weights_only=False)["model"]
+    assert not all(torch.equal(a[k], last[k]) for k in trained)  # the last checkpoint is another model
+    with pytest.raises(FileNotFoundError, match="off the epoch ends"):
+        translation.update_checkpoint(long_dir, 20, 42)  # an epoch's end
+
+
 def test_checkpoint_averaging_is_the_mean_of_the_models(tmp_path: Path) -> None:
     states = [{"model": {"w": torch.full((2, 3), float(i)), "n": torch.tensor([7])}, "args": None} for i in (1, 2, 6)]
     paths = []

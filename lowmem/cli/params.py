@@ -7,17 +7,25 @@ from dataclasses import dataclass, field
 
 from lowmem.cli import crosscheck, models
 from lowmem.cli.models import SpecError, shape
-from lowmem.cli.plan import budget_bytes
+from lowmem.cli.plan import OPTIMIZER_STATE, Levers, budget_bytes
 from lowmem.cli.profile import Request
 from lowmem.config import PROFILES, ParamError, check_choice, stage
 from lowmem.techniques import sharding
 
 MODEL_KEYS = {"name", "model", "batch", "input", "optimizer"}  # one model: a Request's fields under a display name
+# The planner's models may also say which optimizer-state settings its plan combines (lowmem.cli.plan.OPTIMIZER_STATE;
+# default: the given optimizer only, since each more setting costs the stage as much time again).
+PLAN_KEYS = {"optimizer_state"}
 
 
 def request(m: dict) -> Request:
     """A model entry of params.yaml as the profile's Request."""
     return Request(m["model"], m["batch"], shape(str(m["input"])), m["optimizer"])
+
+
+def levers(m: dict) -> Levers:
+    """The levers the planner's stage combines for model entry ``m``."""
+    return Levers(optimizer_state=tuple(m.get("optimizer_state", ["given"])))
 
 
 @stage("planner")
@@ -44,8 +52,14 @@ class PlannerParams:
                 raise ParamError(f"{key} must list at least one model, e.g. [{{name: ResNet-50, model: torchvision:resnet50, "
                                  "batch: 256, input: 3x224x224, optimizer: sgd-momentum}]")
             for m in entries:
-                if not isinstance(m, dict) or set(m) != MODEL_KEYS:
-                    raise ParamError(f"{key}: each model is a mapping with exactly {sorted(MODEL_KEYS)}, got {m!r}")
+                extra = PLAN_KEYS if key == "models" else set()
+                if not isinstance(m, dict) or not MODEL_KEYS <= set(m) <= MODEL_KEYS | extra:
+                    raise ParamError(f"{key}: each model is a mapping with exactly {sorted(MODEL_KEYS)}"
+                                     f"{f', and optionally {sorted(extra)}' if extra else ''}, got {m!r}")
+                states = m.get("optimizer_state", ["given"])
+                if not isinstance(states, list) or "given" not in states or not set(states) <= set(OPTIMIZER_STATE):
+                    raise ParamError(f"{key}: {m['name']!r}: optimizer_state must list 'given' and some of "
+                                     f"{list(OPTIMIZER_STATE)}, got {states!r}")
                 try:
                     models.factory(request(m).spec)  # names a torchvision model that does not exist, before any work
                 except SpecError as e:

@@ -1,6 +1,6 @@
 """``lowmem plan``: which combinations of levers fit a memory budget for any model, and what each costs.
 
-For every combination of precision x checkpointing x activation bits, the largest microbatch whose step fits the
+For every combination of precision x checkpointing x activation bits x optimizer state, the largest microbatch whose step fits the
 budget is found by bisection over batch/1, batch/2, ... (the peak falls with the microbatch), each step accounted at
 full size on tensors without values (``lowmem.cli.profile``). Of those that fit, the Pareto set over three costs is
 printed, each with how to apply it:
@@ -13,6 +13,10 @@ printed, each with how to apply it:
 - **quality risk**: ``exact`` for levers proven exact (checkpointing: tests/test_checkpoint.py; microbatching when
   the model has no BatchNorm: gradient accumulation of a mean loss), else the sum of the lossy levers' effects
   measured in this project, each labelled with the task and profile it was measured on, or ``unmeasured``.
+
+The optimizer-state lever swaps the request's optimizer for its counterpart that keeps the same update with other
+state (``STATE``): bitsandbytes' block-wise 8-bit state (heavy-ball SGD's momentum, AdamW's moments), or, under
+16-bit weights, torch-optimi's SGD with Kahan summation (a 16-bit compensation buffer beside the momentum).
 
 Checkpointing cuts the model's chains of blocks (``lowmem.cli.profile.chains``) into segments placed by the DP
 planner (``lowmem.techniques.checkpoint.frontier``, over every chain at once): the placement of least recompute that
@@ -41,6 +45,7 @@ from lowmem.cli import models
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
+from lowmem.studies.levers import change as lever_change
 from lowmem.techniques import checkpoint
 from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
@@ -49,6 +54,14 @@ UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "KB": 1
 PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
 CHECKPOINTS = ("none", "planned")  # planned: the DP planner's placement for the budget (make_plan)
 ACTIVATION_BITS = (0, 8, 2)
+OPTIMIZER_STATE = ("given", "8-bit", "kahan")
+# For each optimizer of the request that has one, its counterpart with other state, and the Python call that makes it
+# (lowmem.techniques.optimizers). Kahan applies under half-bf16 only: with fp32 weights optimi's SGD compensates nothing.
+STATE: dict[str, dict[str, tuple[str, str]]] = {
+    "8-bit": {"sgd-momentum": ("bnb-sgd8bit", "bitsandbytes.optim.SGD8bit(params, lr, momentum=0.9)"),
+              "adamw": ("adamw-8bit", "bitsandbytes.optim.AdamW8bit(params)")},
+    "kahan": {"sgd-momentum": ("optimi-sgd", "optimi.SGD(params, lr, momentum=0.9, kahan_sum=True)")},
+}
 MICROBATCH_STEPS = 6  # microbatches tried: the whole batch, then halves down to 1 example or this many halvings
 ROOT = Path(__file__).parents[2]  # the checkout, whose figures/ hold the measured effects
 
@@ -77,17 +90,36 @@ class Levers:
     precision: tuple[str, ...] = PRECISIONS
     checkpoint: tuple[str, ...] = CHECKPOINTS
     activation_bits: tuple[int, ...] = ACTIVATION_BITS
+    optimizer_state: tuple[str, ...] = OPTIMIZER_STATE
     microbatch_steps: int = MICROBATCH_STEPS
 
 
-def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool]]:
+def optimizer_for(req: Request, state: str, precision: str) -> str | None:
+    """The optimizer a row with optimizer state ``state`` steps with: the request's own (``given``), its counterpart
+    in ``STATE``, or None where it has none (Kahan: none but under half-bf16)."""
+    if state == "given":
+        return req.optimizer
+    if state == "kahan" and precision != "half-bf16":
+        return None
+    return STATE[state][req.optimizer][0] if req.optimizer in STATE[state] else None
+
+
+def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool, str]]:
     """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques without checkpointing,
-    whether the checkpoint placement is planned)."""
+    whether the checkpoint placement is planned, the optimizer); an optimizer state the request's optimizer has no
+    counterpart for is left out."""
     if not set(levers.checkpoint) <= set(CHECKPOINTS):
         raise ValueError(f"checkpoint levers {levers.checkpoint} must be among {CHECKPOINTS}")
-    return [(Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned")
-            for p, c, b, a in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
-                                                microbatches(req.device_batch, levers.microbatch_steps), levers.activation_bits)]
+    if not set(levers.optimizer_state) <= set(OPTIMIZER_STATE):
+        raise ValueError(f"optimizer_state levers {levers.optimizer_state} must be among {OPTIMIZER_STATE}")
+    out = []
+    for p, c, b, a, s in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
+                                           microbatches(req.device_batch, levers.microbatch_steps), levers.activation_bits,
+                                           levers.optimizer_state):
+        opt = optimizer_for(req, s, p)
+        if opt is not None:
+            out.append((Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned", opt))
+    return out
 
 
 # --- quality risk: what this project measured of each lossy lever ----------------------------------------------
@@ -95,7 +127,8 @@ def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tupl
 
 def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]:
     """(lever, setting) -> {change, low, high, n, where} from the committed results: WRN's lossy levers alone
-    (figures/09_wrn_levers.csv, stage combinations) and the compressed activations (metrics/levers_train.json)."""
+    (figures/09_wrn_levers.csv, stage combinations), the compressed activations and Kahan's bf16
+    (metrics/levers_train.json), and 8-bit momentum (metrics/levers_state_train.json)."""
     effects: dict[tuple[str, Any], dict[str, Any]] = {}
     levers = root / "figures" / "09_wrn_levers.csv"
     combos = root / "metrics" / "combinations.json"
@@ -114,6 +147,16 @@ def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]
             effects[("activation_bits", tech["activation_bits"])] = {
                 "change": r.quality_change, "low": r.quality_low, "high": r.quality_high, "n": int(r.quality_n),
                 "where": f"WRN accuracy points, profile {r.profile}"}
+    # The optimizer swaps, each against the same update with fp32 state (what the swap changes), paired by seed.
+    for stage, arm, against, key in (("levers_train", "half-bf16+optimi-sgd", "optimi-sgd", ("precision", "half-bf16+kahan")),
+                                     ("levers_state_train", "bnb-sgd8bit", "optimi-sgd", ("optimizer", "bnb-sgd8bit"))):
+        path = root / "metrics" / f"{stage}.json"
+        if path.exists():
+            res = json.loads(path.read_text())
+            if {arm, against} <= set(res["arms"]):
+                c = lever_change(res, arm, against)
+                effects[key] = {"change": c.mean, "low": c.low, "high": c.high, "n": c.n,
+                                "where": f"WRN accuracy points against {against} in fp32, profile {res['profile']}"}
     return effects
 
 
@@ -125,12 +168,18 @@ def _lever(name: str) -> tuple[str, Any] | None:
     return None
 
 
-def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]]) -> tuple[float, float, str]:
+def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]],
+         optimizer: str | None = None) -> tuple[float, float, str]:
     """(predicted change, its low end, its label): 0 and 'exact' when every lever on is exact; else ``combine`` of
-    the lossy levers' measured effects."""
+    the lossy levers' measured effects. ``optimizer``: the row's, where the optimizer-state lever swapped it (Kahan
+    is measured together with the 16-bit weights it compensates, so it replaces the precision's effect)."""
     lossy = []
-    if tech.precision != "fp32":
+    if optimizer == "optimi-sgd" and tech.precision == "half-bf16":
+        lossy.append(("precision", "half-bf16+kahan"))
+    elif tech.precision != "fp32":
         lossy.append(("precision", tech.precision))
+    if optimizer in ("bnb-sgd8bit", "adamw-8bit"):
+        lossy.append(("optimizer", optimizer))
     if tech.microbatch and has_batchnorm:
         lossy.append(("microbatch", tech.microbatch))
     if tech.activation_bits:
@@ -196,13 +245,16 @@ class Plan:
     timed: bool
 
 
-def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None) -> str:
+def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, state: str = "given",
+                 optimizer: str = "") -> str:
     fields = {f.name: getattr(tech, f.name) for f in dataclasses.fields(tech)
               if f.name in ("precision", "microbatch", "checkpoint", "activation_bits")
               and getattr(tech, f.name) != getattr(Techniques(), f.name)}
     call = "Techniques(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
     if segments:  # (first block, end block, recomputed) per segment, per chain of lowmem.cli.profile.chains
         call += f" with lowmem.cli.profile.checkpoint_chains(model, segments={segments!r})"
+    if state != "given":
+        call += f", optimizer {STATE[state][optimizer][1]} in place of {optimizer}"
     return call
 
 
@@ -254,33 +306,38 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         cache["flops"] = step_flops(req, "none")
     flops = cache["flops"]
 
-    def row(tech: Techniques, segments: list[list[Segment]] | None = None, recompute: int = 0) -> dict[str, Any]:
-        key = (tech, repr(segments))
+    def row(tech: Techniques, opt: str, segments: list[list[Segment]] | None = None, recompute: int = 0) -> dict[str, Any]:
+        key = (tech, opt, repr(segments))
         if key not in cache:
             b, B = tech.microbatch, req.device_batch
-            r = account(req, tech, examples=3 * b if b and B // b > 3 else None, segments=segments)
+            r = account(dataclasses.replace(req, optimizer=opt), tech, examples=3 * b if b and B // b > 3 else None,
+                        segments=segments)
             # Over several devices each normalizes over its own share, as a microbatch does: per-device BatchNorm
             # is the microbatch lever at the device's batch (SyncBatchNorm would be exact, and is not run here).
             per_device = req.devices > 1 and has_bn and not tech.microbatch
-            change, low, label = risk(dataclasses.replace(tech, microbatch=req.device_batch) if per_device else tech, has_bn, effects)
+            change, low, label = risk(dataclasses.replace(tech, microbatch=req.device_batch) if per_device else tech, has_bn,
+                                      effects, opt)
+            state = next((s for s in STATE if STATE[s].get(req.optimizer, ("",))[0] == opt), "given")
             if per_device:
                 label = f"BatchNorm per device over {req.device_batch} examples, as microbatch={req.device_batch}: {label}"
             cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
+                          "optimizer": opt,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
                           "time": 1 + recompute / flops, "time_source": "estimated (FLOP ratio)",
                           "predicted_change": change, "predicted_low": low, "quality_risk": label,
-                          "how_to_apply": how_to_apply(tech, segments), "tech": tech, "segments": segments}
+                          "how_to_apply": how_to_apply(tech, segments, state, req.optimizer), "tech": tech,
+                          "segments": segments}
         return cache[key]
 
-    def placed(tech: Techniques) -> dict[str, Any]:
+    def placed(tech: Techniques, opt: str) -> dict[str, Any]:
         """The checkpoint placement that fits with the least recompute, among the DP planner's memory-recompute
         front (lowmem.techniques.checkpoint.frontier), by the accountant. The planner's model of the peak is not
         the accountant's, so the front (recompute rising, modelled peak falling) is bisected on accounted peaks:
         the least recompute that fits where accounted peaks fall along the front too (tests/test_cli.py checks every
         point of one model's front), not a proof for every model. The block costs are those of the forward pass
         in the configuration's precision, without packed activations (the accountant then counts the packing)."""
-        plain = row(tech)
+        plain = row(tech, opt)
         if plain["peak_bytes"] <= budget:
             return plain  # nothing to place
         mb = tech.microbatch or req.device_batch
@@ -291,7 +348,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         front = [p for p in checkpoint.frontier(costs, lengths) if p[1] > 0]
 
         def at(i: int) -> dict[str, Any]:
-            return row(tech, checkpoint.split(front[i][2], lengths), front[i][1] * (req.device_batch // mb))
+            return row(tech, opt, checkpoint.split(front[i][2], lengths), front[i][1] * (req.device_batch // mb))
 
         first = first_fitting(len(front), lambda i: at(i)["peak_bytes"] <= budget)
         return at(len(front) - 1 if first is None else first)  # if none fits, the least memory the planner reaches
@@ -301,13 +358,13 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.device_batch, levers.microbatch_steps)
     settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
-    for base, planned in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+    for base, planned, opt in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
 
         def fits(i: int) -> bool:
             if i not in seen:
                 tech = dataclasses.replace(base, microbatch=sizes[i])
-                seen[i] = dict(placed(tech) if planned else row(tech))
+                seen[i] = dict(placed(tech, opt) if planned else row(tech, opt))
                 rows.append(seen[i])
             return seen[i]["peak_bytes"] <= budget
 
@@ -320,7 +377,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     plan = _choose(df, budget, exact_only, max_loss)
     if time_steps:
         base_s = step_seconds(req, Techniques())
-        plan.fitting["time"] = [step_seconds(req, t, seg) / base_s for t, seg in zip(plan.fitting.tech, plan.fitting.segments)]
+        plan.fitting["time"] = [step_seconds(dataclasses.replace(req, optimizer=o), t, seg) / base_s
+                                for t, seg, o in zip(plan.fitting.tech, plan.fitting.segments, plan.fitting.optimizer)]
         plan.fitting["time_source"] = "measured (CPU, against the plain step)"
         plan.timed = True
     return plan
@@ -349,6 +407,6 @@ def _choose(df: pd.DataFrame, budget: int, exact_only: bool, max_loss: float | N
 def table(plan: Plan) -> str:
     """The fitting Pareto set as Markdown."""
     t = plan.fitting.assign(peak_gib=plan.fitting.peak_bytes / 2**30)
-    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "recompute", "time", "time_source",
+    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "optimizer", "recompute", "time", "time_source",
             "quality_risk", "how_to_apply"]
     return t[cols].round(4).to_markdown(index=False)

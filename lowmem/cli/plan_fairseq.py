@@ -5,15 +5,19 @@ fairseq's own update (``lowmem.dynamicconv.memory``).
 - **checkpointing**: ``--checkpoint-activations``, where the architecture has it (fairseq's transformer does; for
   ``lightconv_iwslt_de_en`` lowmem's ``--user-dir`` plugin adds it);
 - **precision**: lowmem's plugin's ``--precision mixed-bf16|half-bf16`` for lightconv (fairseq 0.12 has no 16-bit
-  training on the CPU), fairseq's own ``--fp16`` (CUDA only) for other architectures.
+  training on the CPU), fairseq's own ``--fp16`` (CUDA only) for other architectures;
+- **optimizer state**: for ``--optimizer adam``, lowmem's plugin's ``--optimizer lowmem_adamw8bit`` (bitsandbytes'
+  AdamW8bit: both moments in block-wise 8 bits).
 
 Recompute is counted by ``torch.utils.flop_counter`` on the accounted update itself (with checkpointing, the FLOPs
 beyond the plain update's). Quality risk: checkpointing is exact; the others are the DynamicConv study's measured
-sacreBLEU changes (figures/08_translation_techniques.csv) where that exact option was trained, else unmeasured.
+sacreBLEU changes (figures/08_translation_techniques.csv; 8-bit Adam: metrics/translation_levers_train.json) where
+that exact option was trained, else unmeasured.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,11 @@ def options(req: Request) -> dict[str, list[list[str]]]:
     except SystemExit:  # fairseq's parser exits on an unknown architecture
         raise SpecError(f"fairseq has no architecture {req.spec.name!r} (fairseq-train --arch)") from None
     plugin = req.spec.name == PLUGIN_ARCH
-    return {"precision": [[], *([["--precision", "mixed-bf16"], ["--precision", "half-bf16"]] if plugin else [["--fp16"]])],
+    from lowmem.dynamicconv.translation import PLUGIN_DIR
+
+    eight_bit = [*([] if plugin else ["--user-dir", str(PLUGIN_DIR)]), "--optimizer", "lowmem_adamw8bit"]
+    return {"optimizer": [[], *([eight_bit] if req.optimizer == "adam" else [])],
+            "precision": [[], *([["--precision", "mixed-bf16"], ["--precision", "half-bf16"]] if plugin else [["--fp16"]])],
             "checkpoint": [[], *([["--checkpoint-activations"]] if has_ckpt else [])],
             "microbatch": [["--max-tokens", str(tokens)] if k == 1 else ["--update-freq", str(k), "--max-tokens", str(tokens // k)]
                            for k in freqs]}
@@ -67,11 +75,26 @@ def measured(root: Path) -> dict[str, dict[str, Any]]:
     # An --update-freq run is named by k alone: its --max-tokens is the study's T/k, as a plan's is the user's.
     return {" ".join(r.options.split()[:2]) if r.options.startswith("--update-freq") else r.options: {"change": r.sacrebleu_change, "low": r.sacrebleu_change_low, "high": r.sacrebleu_change_high,
                         "where": f"DynamicConv sacreBLEU, profile {profile}, 1 seed, bootstrap interval"}
-            for r in df.itertuples() if r.trained is True or str(r.trained) == "True"}
+            for r in df.itertuples() if r.trained is True or str(r.trained) == "True"} | levers_measured(root)
+
+
+def levers_measured(root: Path) -> dict[str, dict[str, Any]]:
+    """The levers beyond the paper trained on DynamicConv (stage translation_levers_train), each against the baseline
+    trained beside it on one machine: here 8-bit Adam alone."""
+    path = root / "metrics" / "translation_levers_train.json"
+    if not path.exists():
+        return {}
+    res = json.loads(path.read_text())
+    return {"--optimizer lowmem_adamw8bit": {
+        "change": r["sacrebleu_change"], "low": r["sacrebleu_change_low"], "high": r["sacrebleu_change_high"],
+        "where": f"DynamicConv sacreBLEU, profile {res['profile']}, 1 seed, bootstrap interval"}
+        for r in res["trained"] if r["technique"] == "adamw-8bit"}
 
 
 def risk(flags: dict[str, list[str]], effects: dict[str, dict[str, Any]]) -> tuple[float, float, str]:
     lossy = [" ".join(flags["precision"])] if flags["precision"] else []
+    if flags.get("optimizer"):
+        lossy.append(" ".join(flags["optimizer"][-2:]))
     if "--update-freq" in flags["microbatch"]:  # fairseq batches sentences anew at T/k tokens: not the same sum
         lossy.append(" ".join(flags["microbatch"][:2]))
     return combine([(opt, effects.get(opt)) for opt in lossy])
@@ -97,11 +120,12 @@ def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str
                  for c in opts["checkpoint"]}
     out: list[dict[str, Any]] = []
 
-    def row(p: list[str], c: list[str], m: list[str]) -> dict[str, Any]:
-        args = [*p, *c, *m]
+    def row(p: list[str], c: list[str], m: list[str], o: list[str]) -> dict[str, Any]:
+        args = [*p, *c, *m, *o]
         r = fairseq_memory.account([*base_args(req), *args], req.vocab, req.vocab, tokens, length)
-        change, low, label = risk({"precision": p, "checkpoint": c, "microbatch": m}, effects)
+        change, low, label = risk({"precision": p, "checkpoint": c, "microbatch": m, "optimizer": o}, effects)
         out.append({"precision": " ".join(p) or "fp32", "checkpoint": " ".join(c) or "none",
+                    "optimizer": o[-1] if o else FAIRSEQ_OPTIMIZERS[req.optimizer],
                     "microbatch": " ".join(m), "activation_bits": 16 if p else 32, "peak_bytes": r.peak,
                     "peak_phase": r.peak_phase, "recompute": recompute[tuple(c)], "time": 1 + recompute[tuple(c)],
                     "time_source": "estimated (FLOP ratio)", "predicted_change": change, "predicted_low": low, "quality_risk": label,
@@ -110,14 +134,14 @@ def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str
                     "tech": None, "segments": None, "largest_fitting": False})
         return out[-1]
 
-    settings = [(p, c) for p in opts["precision"] for c in opts["checkpoint"]]
+    settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"] for o in opts["optimizer"]]
     ms = opts["microbatch"]
-    for p, c in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+    for p, c, o in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
 
         def fits(i: int) -> bool:
             if i not in seen:
-                seen[i] = row(p, c, ms[i])
+                seen[i] = row(p, c, ms[i], o)
             return seen[i]["peak_bytes"] <= budget
 
         first = first_fitting(len(ms), fits)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from lowmem.cli import crosscheck
 from lowmem.cli.models import SpecError
-from lowmem.cli.params import PlannerParams, request
+from lowmem.cli.params import PlannerParams, levers, request
 from lowmem.cli.plan import budget_bytes, make_plan
 from lowmem.cli.profile import account
 from lowmem.memory.accounting import CATEGORIES
@@ -38,7 +38,7 @@ def run(p: PlannerParams) -> dict[str, pd.DataFrame]:
         cache: dict[Any, Any] = {}  # the accounted configurations, shared by the budgets
         for b in p.budgets:
             try:
-                front = make_plan(req, budget_bytes(b), progress=False, cache=cache).fitting
+                front = make_plan(req, budget_bytes(b), progress=False, cache=cache, levers=levers(m)).fitting
                 plans += [{"model": m["name"], "budget": b, "fits": True, **row} for row in front.drop(columns=["tech"]).to_dict("records")]
             except SpecError as e:  # nothing fits: the message names the smallest peak and its configuration
                 plans.append({"model": m["name"], "budget": b, "fits": False, "quality_risk": str(e)})
@@ -60,7 +60,7 @@ def tables(p: PlannerParams, res: dict[str, pd.DataFrame]) -> dict[str, tuple[pd
     if "peak_bytes" in plans:
         plans.insert(2, "peak_gib", (plans.pop("peak_bytes") / GIB).round(3))
     keep = [c for c in ["model", "budget", "fits", "peak_gib", "precision", "checkpoint", "microbatch", "activation_bits",
-                        "recompute", "time", "time_source", "quality_risk", "how_to_apply"] if c in plans]
+                        "optimizer", "recompute", "time", "time_source", "quality_risk", "how_to_apply"] if c in plans]
     return {
         "12_planner_breakdown": (shown_b, f"{_source(p)} One training step of each model without any lever: its peak and "
                                  "the bytes of each category at the peak, GiB (lowmem profile)."),

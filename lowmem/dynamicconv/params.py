@@ -144,6 +144,7 @@ class TranslationTechniquesParams:
     timing_updates: int = 10  # updates per timing run (the first two, warm-up, are not timed)
     timing_repeats: int = 2  # timing runs per technique, interleaved with the others
     noise_seeds: list[int] = field(default_factory=lambda: [0, 1])  # the baseline's seeds for BLEU's seed spread (lowmem.studies.bleu_noise)
+    noise_updates: list[int] = field(default_factory=lambda: [20])  # where each noise seed is decoded; includes max_update
 
     FROM = {"recipe_args": "translation_train", "scale_args": "translation_train", "max_tokens": "translation_train",
             "lr": "translation_train", "src_vocab": "translation_memory", "tgt_vocab": "translation_memory",
@@ -170,6 +171,10 @@ class TranslationTechniquesParams:
             unknown = sorted(set(getattr(self, key)) - set(self.techniques))
             if unknown or "baseline" not in getattr(self, key):
                 raise ParamError(f"{key} must name 'baseline' and techniques from {sorted(self.techniques)}; unknown: {unknown}")
+        if not self.noise_updates or sorted(set(self.noise_updates)) != self.noise_updates or min(self.noise_updates) < 1 \
+                or self.max_update not in self.noise_updates:
+            raise ParamError(f"noise_updates must be increasing update counts >= 1 that include max_update "
+                             f"({self.max_update}, the techniques' run length), got {self.noise_updates!r}")
         if len(self.dsr_periods) != 4 or min(self.dsr_periods) < 1:
             raise ParamError(f"dsr_periods must be four periods >= 1 (updates), got {self.dsr_periods!r}")
         if self.timing_updates < 3:

@@ -260,13 +260,32 @@ def sacrebleu_score(hyps: list[str], refs: list[str]) -> tuple[float, str]:
     return round(bleu.corpus_score(detokenized(hyps), [refs]).score, 2), str(bleu.get_signature())
 
 
+def update_checkpoint(save_dir: Path, updates: int, max_update: int) -> Path:
+    """The checkpoint a run trained with ``--save-interval-updates`` saved at ``updates`` (its last one is
+    ``checkpoint_last.pt``)."""
+    found = sorted(save_dir.glob(f"checkpoint_*_{updates}.pt"))
+    if found:
+        return found[0]
+    if updates == max_update and (save_dir / "checkpoint_last.pt").exists():
+        return save_dir / "checkpoint_last.pt"
+    saved = sorted(int(f.stem.rsplit("_", 1)[1]) for f in save_dir.glob("checkpoint_*_*.pt"))
+    raise FileNotFoundError(
+        f"no checkpoint at update {updates} in {save_dir} (saved: {saved}); fairseq saves an interval checkpoint only "
+        "off an epoch's last update, so choose update counts off the epoch ends (each epoch's num_updates is in the "
+        "log's train records)")
+
+
 def evaluate(p: TranslationEvaluateParams, data_dir: Path, save_dir: Path, out_dir: Path | None = None,
-             extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """fairseq-generate on the test split with the (averaged) checkpoint of the run in ``save_dir``, output in
-    ``out_dir`` (default ``data_dir/generate``); ``extra_args`` such as a plugin's ``--user-dir``."""
+             extra_args: tuple[str, ...] = (), checkpoint: Path | None = None) -> dict[str, Any]:
+    """fairseq-generate on the test split with the (averaged) checkpoint of the run in ``save_dir``, or with
+    ``checkpoint``, output in ``out_dir`` (default ``data_dir/generate``); ``extra_args`` such as a plugin's
+    ``--user-dir``."""
     out_dir = out_dir or data_dir / "generate"
     out_dir.mkdir(parents=True, exist_ok=True)
-    if p.average_last > 1:
+    if checkpoint is not None:
+        if not checkpoint.exists():
+            raise FileNotFoundError(f"{checkpoint} is missing")
+    elif p.average_last > 1:
         checkpoint = average_checkpoints(last_epoch_checkpoints(save_dir, p.average_last), out_dir / f"checkpoint_last{p.average_last}_avg.pt")
     else:
         checkpoint = save_dir / "checkpoint_last.pt"

@@ -1,9 +1,11 @@
-"""How far DynamicConv's BLEU moves from seed to seed, and what that means for the paired bootstrap's interval.
+"""How far DynamicConv's BLEU moves from seed to seed, at several run lengths, and what that means for the paired
+bootstrap's interval.
 
 Every DynamicConv quality change in this study is one seed of a configuration against one seed of the baseline,
 with sacreBLEU's paired bootstrap over test sentences as its interval. That interval sees the test set's sampling
-only. This trains the baseline (stage 08's command, updates and data) on ``translation_techniques.noise_seeds``
-and asks two questions, as notebook 10 does for WRN:
+only. This trains the baseline (stage 08's command and data) on ``translation_techniques.noise_seeds``, each seed
+once to the last of ``noise_updates``, decodes the checkpoint it saved at each of them, and asks, at each length,
+the questions notebook 10 asks for WRN:
 
 - the seed sd of sacreBLEU, with its chi-square interval, and the paired half-width t(n-1) · √2 · sd / √n that n
   seeds would give (``lowmem.studies.quality.half_width``), with the seeds needed for the paper's 0.15 BLEU
@@ -11,8 +13,10 @@ and asks two questions, as notebook 10 does for WRN:
 - for every two seeds of the same configuration, whose true difference is zero, whether the bootstrap interval
   covers zero. If it often does not, a one-seed bootstrap interval understates the noise.
 
-Seed 0's run is stage 08's baseline (same key), so it is trained once. The stage is left out of ``make repro``;
-its result is committed (metrics/bleu_noise_train.json) and notebook 08 reads it.
+fairseq seeds each update from the seed and the update's number, so the checkpoint a longer run saves at update u
+is the model a u-update run ends with (tests/test_translation.py checks the parameters bit for bit): one run per
+seed gives every length. The stage is left out of ``make repro``; its result is committed
+(metrics/bleu_noise_train.json) and notebook 08 reads it.
 
     python -m lowmem.studies.bleu_noise --params data/params/translation_techniques.yaml --metrics FILE
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -37,7 +42,7 @@ from scipy import stats
 from lowmem import runs
 from lowmem.config import ParamError, load
 from lowmem.dynamicconv import translation
-from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTechniquesParams
+from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTechniquesParams, TranslationTrainParams
 from lowmem.studies import quality
 from lowmem.studies import translation as translation_study
 from lowmem.studies.quality import MAX_SEEDS, half_width, sd_interval, seeds_needed
@@ -48,44 +53,61 @@ TARGETS = (0.15, 0.3)  # BLEU: the paper's budget, and the issue's aim for the p
 SEEDS_SHOWN = (2, 3, 5, 8)
 
 
+def run_params(p: TranslationTechniquesParams, seed: int) -> TranslationTrainParams:
+    """Seed ``seed``'s baseline run to the last of ``p.noise_updates``, saving a checkpoint at every multiple of
+    their greatest common divisor."""
+    every = math.gcd(*p.noise_updates)
+    t = translation_study.train_params(dataclasses.replace(p, seed=seed, max_update=max(p.noise_updates)), "baseline")
+    return dataclasses.replace(t, scale_args=[*t.scale_args, "--save-interval-updates", str(every)])
+
+
 def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> dict[str, Any]:
-    """The baseline on every seed of ``p.noise_seeds`` (from the run store where it has run), scored, and the
-    paired bootstrap of every two seeds."""
+    """The baseline on every seed of ``p.noise_seeds`` (from the run store where it has run), scored at each of
+    ``p.noise_updates``, and the paired bootstrap of every two seeds at each."""
     if len(p.noise_seeds) < 2:
         raise ParamError(f"translation_techniques.noise_seeds needs at least 2 seeds for a spread, got {p.noise_seeds}")
     refs = translation.test_references(data_dir)
+    last = max(p.noise_updates)
     rows, hyps = [], {}
     for seed in p.noise_seeds:
-        print(f"== baseline, seed {seed}", flush=True)
-        res = translation.train_result(translation_study.train_params(dataclasses.replace(p, seed=seed), "baseline"), data_dir)
+        print(f"== baseline, seed {seed}, to {last} updates", flush=True)
+        res = translation.train_result(run_params(p, seed), data_dir)
         save_dir = Path(res["dir"])
-        ev = translation.evaluate(TranslationEvaluateParams(profile=p.profile, device=p.device), data_dir, save_dir,
-                                  save_dir / "generate", tuple(translation_study.PLUGIN[:2]))
-        hyps[seed] = translation.detokenized(translation.hypotheses((save_dir / "generate" / "generate.txt").read_text()))
-        rows.append({"seed": seed, "key": res["key"], "trained": res["trained"], "sacrebleu": ev["sacrebleu"],
-                     "bleu_tokenized": ev["bleu_tokenized"]})
+        scores = []
+        for u in p.noise_updates:
+            out = save_dir / "generate" / str(u)
+            ev = translation.evaluate(TranslationEvaluateParams(profile=p.profile, device=p.device), data_dir, save_dir,
+                                      out, tuple(translation_study.PLUGIN[:2]),
+                                      checkpoint=translation.update_checkpoint(save_dir, u, last))
+            hyps[seed, u] = translation.detokenized(translation.hypotheses((out / "generate.txt").read_text()))
+            scores.append({"updates": u, "sacrebleu": ev["sacrebleu"], "bleu_tokenized": ev["bleu_tokenized"]})
+        rows.append({"seed": seed, "key": res["key"], "trained": res["trained"], "scores": scores})
     pairs = []
-    for a, b in itertools.combinations(p.noise_seeds, 2):
-        c = quality.bleu_paired(hyps[b], hyps[a], refs, resamples=translation_study.BOOTSTRAP, lowercase=translation.LOWERCASE)
-        pairs.append({"seeds": f"{a}-{b}", "change": round(c.mean, 3), "low": round(c.low, 3), "high": round(c.high, 3)})
-    return {"profile": p.profile, "max_update": p.max_update, "bootstrap_resamples": translation_study.BOOTSTRAP,
-            "runs": rows, "pairs": pairs}
+    for u in p.noise_updates:
+        for a, b in itertools.combinations(p.noise_seeds, 2):
+            c = quality.bleu_paired(hyps[b, u], hyps[a, u], refs, resamples=translation_study.BOOTSTRAP,
+                                    lowercase=translation.LOWERCASE)
+            pairs.append({"updates": u, "seeds": f"{a}-{b}", "change": round(c.mean, 3), "low": round(c.low, 3),
+                          "high": round(c.high, 3)})
+    return {"profile": p.profile, "max_update": p.max_update, "updates": list(p.noise_updates),
+            "bootstrap_resamples": translation_study.BOOTSTRAP, "machine": quality.machine(), "runs": rows, "pairs": pairs}
 
 
 def results(p: TranslationTechniquesParams, data_dir: str | Path, path: str | Path) -> dict[str, Any]:
-    """Stage bleu_noise_train's committed result when it holds ``p``'s seeds at ``p``'s profile; else, at the smoke
-    profile, runs trained here (seconds) into a file beside it. At another profile a missing or other result says
-    how to run the stage."""
+    """Stage bleu_noise_train's committed result when it holds ``p``'s seeds and update counts at ``p``'s profile;
+    else, at the smoke profile, runs trained here (seconds) into a file beside it. At another profile a missing or
+    other result says how to run the stage."""
     path = Path(path)
 
     def holds(f: Path) -> bool:
         res = runs.read_json(f)
-        return (res["profile"], res["max_update"], [r["seed"] for r in res["runs"]]) == (p.profile, p.max_update, p.noise_seeds)
+        return (res["profile"], res["max_update"], res.get("updates"), [r["seed"] for r in res["runs"]]) == \
+            (p.profile, p.max_update, p.noise_updates, p.noise_seeds)
 
     if p.profile != "smoke" and not (path.exists() and holds(path)):
         # Minutes per seed: a notebook never trains them behind the reader's back.
         raise ParamError(f"{path} {'holds other runs than' if path.exists() else 'is missing, with'} "
-                         f"translation_techniques.noise_seeds at profile {p.profile}; run them: {COMMAND}")
+                         f"translation_techniques.noise_seeds and noise_updates at profile {p.profile}; run them: {COMMAND}")
     if path.exists() and not holds(path):
         path = path.with_name(f"{path.stem}-smoke{path.suffix}")
     if not (path.exists() and holds(path)):
@@ -93,15 +115,20 @@ def results(p: TranslationTechniquesParams, data_dir: str | Path, path: str | Pa
     return runs.read_json(path)
 
 
-def summary_row(res: dict[str, Any]) -> dict[str, Any]:
-    """The seed spread of sacreBLEU, the paired half-width for a few seed counts, the seeds each target
-    needs, and how often the one-seed bootstrap interval covered a true zero."""
-    scores = [r["sacrebleu"] for r in res["runs"]]
-    n, sd = len(scores), statistics.stdev(scores)
+def scores(res: dict[str, Any], updates: int) -> list[float]:
+    """Each seed's sacreBLEU at ``updates``, in seed order."""
+    return [next(s["sacrebleu"] for s in r["scores"] if s["updates"] == updates) for r in res["runs"]]
+
+
+def summary_row(res: dict[str, Any], updates: int) -> dict[str, Any]:
+    """At ``updates``: the seed spread of sacreBLEU, the paired half-width for a few seed counts, the seeds each
+    target needs, and how often the one-seed bootstrap interval covered a true zero."""
+    bleu = scores(res, updates)
+    n, sd = len(bleu), statistics.stdev(bleu)
     low, high = sd_interval(sd, n)
-    pairs = pd.DataFrame(res["pairs"])
+    pairs = pd.DataFrame([q for q in res["pairs"] if q["updates"] == updates])
     covered = int(((pairs.low <= 0) & (pairs.high >= 0)).sum())
-    row: dict[str, Any] = {"updates": res["max_update"], "seeds": n, "sacrebleu_mean": statistics.mean(scores),
+    row: dict[str, Any] = {"updates": updates, "seeds": n, "sacrebleu_mean": statistics.mean(bleu),
                            "seed_sd": sd, "seed_sd_low": low, "seed_sd_high": high,
                            "bootstrap_half_width": float(((pairs.high - pairs.low) / 2).median()),
                            "pairs_covering_zero": f"{covered}/{len(pairs)}",
@@ -114,62 +141,71 @@ def summary_row(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def summary(res: dict[str, Any]) -> pd.DataFrame:
-    """``summary_row`` as a one-row table."""
-    return pd.DataFrame([summary_row(res)])
+    """``summary_row`` at each decoded update count."""
+    return pd.DataFrame([summary_row(res, u) for u in res["updates"]])
 
 
 def caption(p: TranslationTechniquesParams, res: dict[str, Any]) -> str:
-    return (f"DynamicConv baseline (stage 08's command) at profile `{res['profile']}`, {res['max_update']} updates, "
-            f"seeds {', '.join(str(r['seed']) for r in res['runs'])}; sacreBLEU on the test split. Seed sd: the sample sd "
-            f"over seeds, with its 95% chi-square interval. half_width_k_seeds: t(k-1)·√2·sd/√k, the 95% half-width of a "
-            f"mean paired change over k seeds. seeds_for_T: the fewest seeds whose half-width is at most T BLEU (empty: "
-            f"more than {MAX_SEEDS}). bootstrap_half_width: the median half-width of sacreBLEU's paired bootstrap "
-            f"({res['bootstrap_resamples']} resamples) between two seeds; pairs_covering_zero: how many of those "
-            f"intervals hold the true zero difference of two seeds of one configuration.")
+    return (f"DynamicConv baseline (stage 08's command) at profile `{res['profile']}`, seeds "
+            f"{', '.join(str(r['seed']) for r in res['runs'])}, each trained once to {max(res['updates'])} updates and "
+            f"decoded at {', '.join(map(str, res['updates']))} (the checkpoint it saved there); the techniques train "
+            f"{res['max_update']}. sacreBLEU on the test split; trained on {res.get('machine', 'an unrecorded CPU')}. "
+            f"Seed sd: the sample sd over seeds, with its 95% chi-square interval. half_width_k_seeds: t(k-1)·√2·sd/√k, "
+            f"the 95% half-width of a mean paired change over k seeds. seeds_for_T: the fewest seeds whose half-width "
+            f"is at most T BLEU (empty: more than {MAX_SEEDS}). bootstrap_half_width: the median half-width of "
+            f"sacreBLEU's paired bootstrap ({res['bootstrap_resamples']} resamples) between two seeds; "
+            f"pairs_covering_zero: how many of those intervals hold the true zero difference of two seeds of one "
+            f"configuration.")
 
 
 def figure(res: dict[str, Any]) -> Figure:
-    """Left: each seed's sacreBLEU. Middle: the bootstrap interval of every two seeds, against their true difference
-    of zero. Right: the paired seed interval's half-width against the number of seeds, with the targets and the
-    bootstrap's own half-width."""
-    row = summary_row(res)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(13, 4.2), width_ratios=[0.6, 1.2, 1.2])
-    scores = [r["sacrebleu"] for r in res["runs"]]
-    ax1.scatter(np.zeros(len(scores)), scores, color="tab:blue")
+    """Left: each seed's sacreBLEU against updates. Middle: the bootstrap interval of every two seeds at each length,
+    against their true difference of zero. Right: the paired seed interval's half-width against the number of seeds,
+    one line per length, with the targets."""
+    updates = res["updates"]
+    colors = dict(zip(updates, plt.get_cmap("viridis")(np.linspace(0.0, 0.8, len(updates)))))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 5), width_ratios=[1.0, 1.2, 1.2])
     for r in res["runs"]:
-        ax1.annotate(f"seed {r['seed']}", (0, r["sacrebleu"]), xytext=(8, 0), textcoords="offset points", va="center", fontsize=8)
-    ax1.set_xticks([])
-    ax1.set_xlim(-0.5, 1)
+        ax1.plot(updates, [s["sacrebleu"] for s in r["scores"]], marker="o", label=f"seed {r['seed']}")
+    ax1.set_xticks(updates)
+    ax1.set_xlabel("updates")
     ax1.set_ylabel("sacreBLEU (test split)")
-    ax1.set_title(f"Baseline, one point per seed\nsd {row['seed_sd']:.2f}", fontsize=10)
+    ax1.set_title("Baseline, one line per seed\nsd " + ", ".join(
+        f"{summary_row(res, u)['seed_sd']:.2f}" for u in updates) + " at these lengths", fontsize=10)
+    ax1.legend(fontsize=8, loc="lower right")
     pairs = pd.DataFrame(res["pairs"])
-    covers = (pairs.low <= 0) & (pairs.high >= 0)
-    y = np.arange(len(pairs))
+    covers = ((pairs.low <= 0) & (pairs.high >= 0)).to_numpy()
+    groups = {u: i for i, u in enumerate(updates)}
+    per = len(pairs) // len(updates)
+    # One block of rows per length, a blank row between blocks.
+    y = np.array([groups[u] * (per + 1) + i % per for i, u in enumerate(pairs.updates)])
     for ok, color, label in ((True, "tab:green", "holds 0"), (False, "tab:red", "excludes 0")):
         sel = pairs[covers == ok]
         if len(sel):
             ax2.errorbar(sel.change, y[covers == ok], xerr=[sel.change - sel.low, sel.high - sel.change], fmt="o",
-                         color=color, capsize=3, label=f"{label}: {len(sel)} of {len(pairs)}")
+                         color=color, capsize=2, markersize=3, label=f"{label}: {len(sel)} of {len(pairs)}")
     ax2.axvline(0, color="black", linewidth=1)
-    ax2.set_yticks(y, [f"seeds {s}" for s in pairs.seeds])
+    ax2.set_yticks(y, [f"{u} upd., seeds {s}" for u, s in zip(pairs.updates, pairs.seeds)], fontsize=7)
+    ax2.invert_yaxis()
     ax2.set_xlabel("BLEU difference, second seed minus first")
     ax2.set_title("Paired bootstrap of two seeds of one configuration\n(the true difference is 0)", fontsize=10)
-    ax2.legend(fontsize=8, loc="best")
+    ax2.legend(fontsize=8, loc="lower right")
     n = np.arange(2, max(SEEDS_SHOWN) + 1)
-    ax3.plot(n, [half_width(row["seed_sd"], k) for k in n], color="tab:blue", marker=".", label="paired seed interval")
-    ax3.axhline(row["bootstrap_half_width"], color="black", linestyle="--", linewidth=1,
-                label=f"bootstrap of one pair (±{row['bootstrap_half_width']:.2f})")
+    for u in updates:
+        ax3.plot(n, [half_width(summary_row(res, u)["seed_sd"], k) for k in n], color=colors[u], marker=".",
+                 label=f"{u} updates")
     for t in TARGETS:
         ax3.axhline(t, color="grey", linestyle=":", linewidth=1)
-        ax3.annotate(f"±{t:g}", (n[-1], t), xytext=(0, 2), textcoords="offset points", ha="right", va="bottom", fontsize=8, color="grey")
+        ax3.annotate(f"±{t:g}", (n[-1], t), xytext=(0, 2), textcoords="offset points", ha="right", va="bottom",
+                     fontsize=8, color="grey")
     ax3.set_yscale("log")
     ax3.yaxis.set_major_formatter(ScalarFormatter())
     ax3.yaxis.set_minor_formatter(NullFormatter())  # plain numbers on the log axis: a reader compares them with ±0.15
     ax3.set_xlabel("seeds (each configuration and the baseline)")
-    ax3.set_ylabel("95% half-width of a BLEU change")
+    ax3.set_ylabel("95% half-width of a paired BLEU change")
     ax3.set_title("What a paired seed interval can resolve", fontsize=10)
     ax3.legend(fontsize=8, loc="upper right")
-    fig.suptitle(f"DynamicConv baseline, profile {res['profile']}, {res['max_update']} updates", fontsize=10)
+    fig.suptitle(f"DynamicConv baseline, profile {res['profile']}: BLEU over seeds and updates", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -180,10 +216,16 @@ def tables(p: TranslationTechniquesParams, res: dict[str, Any]) -> dict[str, tup
 
 
 def metrics(res: dict[str, Any]) -> dict[str, Any]:
-    """What notebook 08's metrics JSON says of the spread."""
-    row = summary_row(res)
-    return {"seeds": row["seeds"], "seed_sd": round(row["seed_sd"], 3), "pairs_covering_zero": row["pairs_covering_zero"],
-            **{f"seeds_for_{t:g}": row[f"seeds_for_{t:g}"] for t in TARGETS}}
+    """What notebook 08's metrics JSON says of the spread: at the techniques' run length, and at each length."""
+
+    def short(row: dict[str, Any]) -> dict[str, Any]:
+        return {"sacrebleu_mean": round(row["sacrebleu_mean"], 3), "seed_sd": round(row["seed_sd"], 3),
+                "pairs_covering_zero": row["pairs_covering_zero"],
+                **{f"seeds_for_{t:g}": row[f"seeds_for_{t:g}"] for t in TARGETS}}
+
+    row = summary_row(res, res["max_update"])
+    return {"seeds": row["seeds"], "updates": res["updates"], **short(row),
+            "by_updates": {str(u): short(summary_row(res, u)) for u in res["updates"]}}
 
 
 def main(argv: list[str] | None = None) -> int:
