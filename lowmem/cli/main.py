@@ -71,7 +71,9 @@ def profile_cmd(args: argparse.Namespace) -> int:
 def plan_cmd(args: argparse.Namespace) -> int:
     req = _request(args)
     budget = planner.budget_bytes(args.budget)
-    p = planner.make_plan(req, budget, time_steps=args.time, exact_only=args.exact_only, max_loss=args.max_loss)
+    levers = planner.Levers(optimizer_state=tuple(dict.fromkeys(args.optimizer_state)))
+    p = planner.make_plan(req, budget, time_steps=args.time, exact_only=args.exact_only, max_loss=args.max_loss,
+                          levers=levers)
     fitting = int(p.rows.get("largest_fitting", p.rows.peak_bytes < 0).fillna(False).astype(bool).sum())
     per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peaks per device" if req.devices > 1 else ""
     print(f"{req.model}, batch {req.batch}{per}, {req.optimizer}: {len(p.rows)} configurations accounted; {fitting} settings "
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--budget", required=True, help="e.g. 4GiB, 512MiB, 1.5GB (KiB/MiB/GiB: powers of 2; KB/MB/GB: of 10)")
     q.add_argument("--time", action="store_true", help="measure each fitting configuration's step time on the CPU")
     q.add_argument("--exact-only", action="store_true", help="only levers proven exact")
+    q.add_argument("--optimizer-state", nargs="+", choices=planner.OPTIMIZER_STATE, default=list(planner.OPTIMIZER_STATE),
+                   help="the optimizer's own state (given), its 8-bit counterpart, Kahan's SGD under half-bf16 (default: all; "
+                        "each costs the plan as much time again)")
     q.add_argument("--max-loss", type=float, help="drop configurations whose measured quality loss, at the low end of its 95%% interval, exceeds this (points or BLEU)")
     q.set_defaults(run=plan_cmd)
     args = ap.parse_args(argv)

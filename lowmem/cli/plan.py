@@ -294,7 +294,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                             "with lowmem profile fairseq:ARCH ... --devices N --shard MODE")
         from lowmem.cli import plan_fairseq  # which imports this module's combine
 
-        return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root)), budget, exact_only, max_loss)
+        return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root, levers.optimizer_state)), budget,
+                       exact_only, max_loss)
     cache = {} if cache is None else cache
     if cache.setdefault("for", (req, root)) != (req, root):
         raise ValueError(f"this cache holds the accounts of {cache['for'][0]}, not of {req}")

@@ -100,10 +100,12 @@ def risk(flags: dict[str, list[str]], effects: dict[str, dict[str, Any]]) -> tup
     return combine([(opt, effects.get(opt)) for opt in lossy])
 
 
-def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str, Any]]:
+def rows(req: Request, budget: int, progress: bool, root: Path, states: tuple[str, ...] = ("given", "8-bit")
+         ) -> list[dict[str, Any]]:
     """Per setting of precision and checkpointing, the least ``--update-freq`` that fits, found by bisection (the
     peak falls as k grows), every accounted configuration with its recompute (FLOPs over the plain update's) and
-    quality risk; the least that fits is marked ``largest_fitting`` (its batches are the largest)."""
+    quality risk; the least that fits is marked ``largest_fitting`` (its batches are the largest). ``states``: the
+    optimizer-state settings (``lowmem.cli.plan.OPTIMIZER_STATE``) to combine."""
     from lowmem.dynamicconv import memory as fairseq_memory
 
     opts, effects = options(req), measured(root)
@@ -134,7 +136,9 @@ def rows(req: Request, budget: int, progress: bool, root: Path) -> list[dict[str
                     "tech": None, "segments": None, "largest_fitting": False})
         return out[-1]
 
-    settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"] for o in opts["optimizer"]]
+    # Kahan's SGD is not a fairseq optimizer: only the given state and 8-bit Adam are settings here.
+    state = [o for o in opts["optimizer"] if ("8-bit" if o else "given") in states]
+    settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"] for o in state]
     ms = opts["microbatch"]
     for p, c, o in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
