@@ -67,6 +67,20 @@ def test_each_update_count_is_summarized_from_its_own_scores_and_pairs() -> None
     assert m["by_updates"]["1000"]["seed_sd"] == 1.0 and m["updates"] == [600, 1000]
 
 
+def test_a_seeds_minutes_come_from_fairseqs_clock_and_price_each_target() -> None:
+    records = [{"kind": "train_inner", "num_updates": u, "wall": w} for u, w in ((590, 290.0), (600, 300.0), (610, 305.0))]
+    records += [{"kind": "valid", "num_updates": 600, "wall": 999.0}]
+    assert bleu_noise.wall_seconds(records, 600) == 300.0 and bleu_noise.wall_seconds(records, 605) == 300.0
+    with pytest.raises(ValueError, match="no train_inner record"):
+        bleu_noise.wall_seconds(records, 10)
+    res = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)])
+    for r, w in zip(res["runs"], (240.0, 300.0, 600.0)):
+        r["scores"][0]["wall_s"] = w
+    row = bleu_noise.summary_row(res, 600)
+    assert row["minutes_per_seed"] == 5.0  # the median seed's
+    assert row["minutes_for_0.3"] == row["seeds_for_0.3"] * 5.0
+
+
 def test_update_counts_must_rise_and_hold_the_techniques_run_length() -> None:
     for bad in ([], [1000, 600], [600, 600], [0, 600], [300, 900]):
         with pytest.raises(ParamError, match="noise_updates"):

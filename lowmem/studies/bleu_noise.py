@@ -61,6 +61,15 @@ def run_params(p: TranslationTechniquesParams, seed: int) -> TranslationTrainPar
     return dataclasses.replace(t, scale_args=[*t.scale_args, "--save-interval-updates", str(every)])
 
 
+def wall_seconds(records: list[dict[str, Any]], updates: int) -> float:
+    """Seconds from a run's start to its update ``updates``: fairseq's own clock in its log (``wall``; validation and
+    checkpoint saving included), at the last record at or before it."""
+    inner = [r for r in records if r["kind"] == "train_inner" and r["num_updates"] <= updates]
+    if not inner:
+        raise ValueError(f"the log has no train_inner record at or before update {updates}")
+    return float(max(inner, key=lambda r: r["num_updates"])["wall"])
+
+
 def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> dict[str, Any]:
     """The baseline on every seed of ``p.noise_seeds`` (from the run store where it has run), scored at each of
     ``p.noise_updates``, and the paired bootstrap of every two seeds at each."""
@@ -80,7 +89,8 @@ def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> 
                                       out, tuple(translation_study.PLUGIN[:2]),
                                       checkpoint=translation.update_checkpoint(save_dir, u, last))
             hyps[seed, u] = translation.detokenized(translation.hypotheses((out / "generate.txt").read_text()))
-            scores.append({"updates": u, "sacrebleu": ev["sacrebleu"], "bleu_tokenized": ev["bleu_tokenized"]})
+            scores.append({"updates": u, "sacrebleu": ev["sacrebleu"], "bleu_tokenized": ev["bleu_tokenized"],
+                           "wall_s": wall_seconds(res["records"], u)})
         rows.append({"seed": seed, "key": res["key"], "trained": res["trained"], "scores": scores})
     pairs = []
     for u in p.noise_updates:
@@ -137,6 +147,13 @@ def summary_row(res: dict[str, Any], updates: int) -> dict[str, Any]:
                            "coverage_p": float(stats.binomtest(covered, len(pairs), quality.LEVEL).pvalue)}
     row |= {f"half_width_{k}_seeds": half_width(sd, k) for k in SEEDS_SHOWN}
     row |= {f"seeds_for_{t:g}": seeds_needed(sd, t) for t in TARGETS}
+    # What a seed costs at this length, and what each target costs one configuration (its own seeds; the baseline's
+    # are shared by every configuration): the run budget that decides the length.
+    walls = [next(s for s in r["scores"] if s["updates"] == updates).get("wall_s") for r in res["runs"]]
+    minutes = statistics.median(walls) / 60 if None not in walls else math.nan
+    row["minutes_per_seed"] = minutes
+    row |= {f"minutes_for_{t:g}": row[f"seeds_for_{t:g}"] * minutes if row[f"seeds_for_{t:g}"] else math.nan
+            for t in TARGETS}
     return row
 
 
@@ -152,7 +169,9 @@ def caption(p: TranslationTechniquesParams, res: dict[str, Any]) -> str:
             f"{res['max_update']}. sacreBLEU on the test split; trained on {res.get('machine', 'an unrecorded CPU')}. "
             f"Seed sd: the sample sd over seeds, with its 95% chi-square interval. half_width_k_seeds: t(k-1)·√2·sd/√k, "
             f"the 95% half-width of a mean paired change over k seeds. seeds_for_T: the fewest seeds whose half-width "
-            f"is at most T BLEU (empty: more than {MAX_SEEDS}). bootstrap_half_width: the median half-width of "
+            f"is at most T BLEU (empty: more than {MAX_SEEDS}). minutes_per_seed: the median over seeds of fairseq's wall "
+            f"clock to that update on {res.get('machine', 'this machine')}; minutes_for_T: seeds_for_T x minutes_per_seed, "
+            f"one configuration's training for T. bootstrap_half_width: the median half-width of "
             f"sacreBLEU's paired bootstrap ({res['bootstrap_resamples']} resamples) between two seeds; "
             f"pairs_covering_zero: how many of those intervals hold the true zero difference of two seeds of one "
             f"configuration.")
@@ -189,7 +208,7 @@ def figure(res: dict[str, Any]) -> Figure:
     ax2.invert_yaxis()
     ax2.set_xlabel("BLEU difference, second seed minus first")
     ax2.set_title("Paired bootstrap of two seeds of one configuration\n(the true difference is 0)", fontsize=10)
-    ax2.legend(fontsize=8, loc="lower right")
+    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # below: the rows fill the axes
     n = np.arange(2, max(SEEDS_SHOWN) + 1)
     for u in updates:
         ax3.plot(n, [half_width(summary_row(res, u)["seed_sd"], k) for k in n], color=colors[u], marker=".",
@@ -220,7 +239,7 @@ def metrics(res: dict[str, Any]) -> dict[str, Any]:
 
     def short(row: dict[str, Any]) -> dict[str, Any]:
         return {"sacrebleu_mean": round(row["sacrebleu_mean"], 3), "seed_sd": round(row["seed_sd"], 3),
-                "pairs_covering_zero": row["pairs_covering_zero"],
+                "pairs_covering_zero": row["pairs_covering_zero"], "minutes_per_seed": None if math.isnan(row["minutes_per_seed"]) else round(row["minutes_per_seed"], 2),
                 **{f"seeds_for_{t:g}": row[f"seeds_for_{t:g}"] for t in TARGETS}}
 
     row = summary_row(res, res["max_update"])
