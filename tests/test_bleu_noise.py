@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from scipy import stats
 
 from lowmem.config import ParamError
@@ -67,18 +68,25 @@ def test_each_update_count_is_summarized_from_its_own_scores_and_pairs() -> None
     assert m["by_updates"]["1000"]["seed_sd"] == 1.0 and m["updates"] == [600, 1000]
 
 
-def test_a_seeds_minutes_come_from_fairseqs_clock_and_price_each_target() -> None:
-    records = [{"kind": "train_inner", "num_updates": u, "wall": w} for u, w in ((590, 290.0), (600, 300.0), (610, 305.0))]
-    records += [{"kind": "valid", "num_updates": 600, "wall": 999.0}]
-    assert bleu_noise.wall_seconds(records, 600) == 300.0 and bleu_noise.wall_seconds(records, 605) == 300.0
-    with pytest.raises(ValueError, match="no train_inner record"):
-        bleu_noise.wall_seconds(records, 10)
+def test_a_seeds_minutes_come_from_fairseqs_clock_and_price_each_target(tmp_path: Path) -> None:
+    # fairseq keeps its clock in every checkpoint it saves (the trainer's extra_state)
+    torch.save({"model": {}, "extra_state": {"previous_training_time": 312.5, "train_iterator": {}}}, tmp_path / "c.pt")
+    assert bleu_noise.wall_seconds(tmp_path / "c.pt") == 312.5
     res = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)])
     for r, w in zip(res["runs"], (240.0, 300.0, 600.0)):
         r["scores"][0]["wall_s"] = w
     row = bleu_noise.summary_row(res, 600)
     assert row["minutes_per_seed"] == 5.0  # the median seed's
     assert row["minutes_for_0.3"] == row["seeds_for_0.3"] * 5.0
+    # Two lengths: the longer one is half as noisy at twice the minutes, so it prices ±0.3 lower.
+    two = result([10.0, 11.0, 12.0], [(-0.5, 0.5), (0.0, 1.0), (0.2, 0.9)], updates=(600, 1200))
+    for r, base in zip(two["runs"], (10.0, 11.0, 12.0)):
+        r["scores"][0]["wall_s"], r["scores"][1]["wall_s"] = 300.0, 600.0
+        r["scores"][1]["sacrebleu"] = 20 + (base - 11.0) / 2
+    table = bleu_noise.summary(two)
+    assert table["minutes_for_0.3"].iloc[1] < table["minutes_for_0.3"].iloc[0]
+    assert bleu_noise.metrics(two)["cheapest_length_for_0.3"] == 1200
+    assert bleu_noise.metrics(result([10.0, 11.0], [(-1.0, 1.0)]))["cheapest_length_for_0.3"] is None  # no minutes
 
 
 def test_update_counts_must_rise_and_hold_the_techniques_run_length() -> None:
@@ -99,7 +107,7 @@ def test_the_figure_marks_each_pair_by_whether_it_holds_zero_and_draws_the_seed_
     seeds, pairs, widths = fig.axes
     assert [list(line.get_ydata()) for line in seeds.get_lines()] == [[10.0, 11.0], [11.0, 12.0], [12.0, 15.0]]
     labels = pairs.get_legend_handles_labels()[1]
-    assert labels == ["holds 0: 2 of 6", "excludes 0: 4 of 6"]
+    assert labels == ["holds 0: 2 of 6 (all lengths)", "excludes 0: 4 of 6 (all lengths)"]
     assert len(pairs.get_yticklabels()) == 6
     at600, at1000 = widths.get_lines()[:2]
     assert list(at600.get_xdata()) == list(range(2, max(bleu_noise.SEEDS_SHOWN) + 1))

@@ -162,6 +162,10 @@ def test_the_optimizer_state_lever_swaps_the_optimizer_and_its_measured_risk():
         ("fp32", "sgd-momentum"), ("fp32", "bnb-sgd8bit"), ("half-bf16", "sgd-momentum"), ("half-bf16", "bnb-sgd8bit"),
         ("half-bf16", "optimi-sgd")]
     assert [o for *_, o in plan.grid(Request("wrn:wrn-10-1", 8, (3, 32, 32), "adam"), True, levers)] == ["adam", "adam"]
+    # The user's own optimizer is the reference: stepping with bitsandbytes' SGD8bit from the start is not a swap.
+    own = plan.make_plan(dataclasses.replace(req, optimizer="bnb-sgd8bit"), 2**40, progress=False,
+                         levers=dataclasses.replace(levers, precision=("fp32",), optimizer_state=("given",))).rows
+    assert list(own.quality_risk) == ["exact"]
     with pytest.raises(ValueError, match="optimizer_state"):
         plan.grid(req, True, plan.Levers(optimizer_state=("4-bit",)))
     rows = plan.make_plan(req, 2**40, progress=False, levers=levers).rows.set_index(["precision", "optimizer"])
@@ -217,6 +221,10 @@ def test_plan_combines_only_the_optimizer_states_asked_for(capsys):
     with pytest.raises(SystemExit):  # argparse names the choices
         main.main([*argv, "--optimizer-state", "4-bit"])
     assert "invalid choice: '4-bit'" in capsys.readouterr().err
+    # States with no counterpart for the optimizer leave nothing to plan: one line, exit 2.
+    assert main.main([*argv, "--optimizer", "adam", "--optimizer-state", "8-bit", "kahan"]) == 2
+    err = capsys.readouterr().err
+    assert "has no setting for --optimizer adam" in err and len(err.strip().splitlines()) == 1
 
 
 def test_profile_prints_the_breakdown(capsys):

@@ -184,16 +184,17 @@ def test_a_longer_runs_interval_checkpoint_is_the_shorter_runs_model(trained: tu
     # BLEU over updates (lowmem.studies.bleu_noise) decodes one long run's interval checkpoints in place of runs
     # stopped there: fairseq seeds each update from its number, and saving or validating in between draws nothing.
     data, _, t = trained
-    # An epoch here is 10 updates; fairseq saves no interval checkpoint on an epoch's last update, hence 7.
+    # An epoch here is 10 updates, and fairseq saves no interval checkpoint on an epoch's last update: every 5
+    # updates gives 5, 15, 25 and 35, and none at 10, 20 or 30.
     longer = TranslationTrainParams(**{**t.__dict__, "max_update": 42, "recipe_args": [*t.recipe_args, "--dropout", "0.3"],
-                                       "scale_args": ["--save-interval-updates", "7"]})
-    short = TranslationTrainParams(**{**longer.__dict__, "max_update": 21, "scale_args": []})
+                                       "scale_args": ["--save-interval-updates", "5"]})
+    short = TranslationTrainParams(**{**longer.__dict__, "max_update": 15, "scale_args": []})
     translation.train(longer, data)
     translation.train(short, data)
     long_dir, short_dir = translation.store_run(longer, data).dir, translation.store_run(short, data).dir
-    at21 = translation.update_checkpoint(long_dir, 21, 42)
-    assert at21.name != "checkpoint_last.pt"
-    a = torch.load(at21, map_location="cpu", weights_only=False)["model"]
+    saved = sorted(int(f.stem.rsplit("_", 1)[1]) for f in long_dir.glob("checkpoint_*_*.pt"))
+    assert saved == [5, 15, 25, 35]
+    a = torch.load(translation.update_checkpoint(long_dir, 15, 42), map_location="cpu", weights_only=False)["model"]
     b = torch.load(short_dir / "checkpoint_last.pt", map_location="cpu", weights_only=False)["model"]
     # fairseq's scriptable DynamicConv allocates conv_bias uninitialized (torch.Tensor) and, without --conv-bias,
     # never initializes, uses or updates it: its bytes are whatever memory held.
@@ -203,7 +204,7 @@ def test_a_longer_runs_interval_checkpoint_is_the_shorter_runs_model(trained: tu
     last = torch.load(translation.update_checkpoint(long_dir, 42, 42), map_location="cpu", weights_only=False)["model"]
     assert not all(torch.equal(a[k], last[k]) for k in trained)  # the last checkpoint is another model
     with pytest.raises(FileNotFoundError, match="off the epoch ends"):
-        translation.update_checkpoint(long_dir, 20, 42)  # an epoch's end
+        translation.update_checkpoint(long_dir, 20, 42)  # an epoch's end, a multiple of 5
 
 
 def test_checkpoint_averaging_is_the_mean_of_the_models(tmp_path: Path) -> None:

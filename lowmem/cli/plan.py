@@ -104,6 +104,13 @@ def optimizer_for(req: Request, state: str, precision: str) -> str | None:
     return STATE[state][req.optimizer][0] if req.optimizer in STATE[state] else None
 
 
+def no_state(req: Request, states: tuple[str, ...]) -> str:
+    """Why ``states`` give ``req`` nothing to plan: which optimizers each state has a counterpart for."""
+    have = "; ".join(f"{s} for {', '.join(STATE[s])}" + (" (under half-bf16)" if s == "kahan" else "") for s in STATE)
+    return (f"--optimizer-state {' '.join(states)} has no setting for --optimizer {req.optimizer}: the states other than "
+            f"'given' have counterparts {have} only; add 'given'")
+
+
 def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool, str]]:
     """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques without checkpointing,
     whether the checkpoint placement is planned, the optimizer); an optimizer state the request's optimizer has no
@@ -316,8 +323,9 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
             # Over several devices each normalizes over its own share, as a microbatch does: per-device BatchNorm
             # is the microbatch lever at the device's batch (SyncBatchNorm would be exact, and is not run here).
             per_device = req.devices > 1 and has_bn and not tech.microbatch
+            # A swapped optimizer carries its measured effect; the user's own carries none (it is the reference).
             change, low, label = risk(dataclasses.replace(tech, microbatch=req.device_batch) if per_device else tech, has_bn,
-                                      effects, opt)
+                                      effects, opt if opt != req.optimizer else None)
             state = next((s for s in STATE if STATE[s].get(req.optimizer, ("",))[0] == opt), "given")
             if per_device:
                 label = f"BatchNorm per device over {req.device_batch} examples, as microbatch={req.device_batch}: {label}"
@@ -359,6 +367,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.device_batch, levers.microbatch_steps)
     settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
+    if not settings:
+        raise SpecError(no_state(req, levers.optimizer_state))
     for base, planned, opt in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
 

@@ -138,6 +138,9 @@ def rows(req: Request, budget: int, progress: bool, root: Path, states: tuple[st
 
     # Kahan's SGD is not a fairseq optimizer: only the given state and 8-bit Adam are settings here.
     state = [o for o in opts["optimizer"] if ("8-bit" if o else "given") in states]
+    if not state:
+        raise SpecError(f"--optimizer-state {' '.join(states)} has no setting for a fairseq model with --optimizer "
+                        f"{req.optimizer}: only 'given', and '8-bit' with --optimizer adam (the plugin's lowmem_adamw8bit)")
     settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"] for o in state]
     ms = opts["microbatch"]
     for p, c, o in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):

@@ -35,6 +35,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+import torch
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter, ScalarFormatter
 from scipy import stats
@@ -61,13 +62,12 @@ def run_params(p: TranslationTechniquesParams, seed: int) -> TranslationTrainPar
     return dataclasses.replace(t, scale_args=[*t.scale_args, "--save-interval-updates", str(every)])
 
 
-def wall_seconds(records: list[dict[str, Any]], updates: int) -> float:
-    """Seconds from a run's start to its update ``updates``: fairseq's own clock in its log (``wall``; validation and
-    checkpoint saving included), at the last record at or before it."""
-    inner = [r for r in records if r["kind"] == "train_inner" and r["num_updates"] <= updates]
-    if not inner:
-        raise ValueError(f"the log has no train_inner record at or before update {updates}")
-    return float(max(inner, key=lambda r: r["num_updates"])["wall"])
+def wall_seconds(checkpoint: Path) -> float:
+    """Seconds from a run's start to the update ``checkpoint`` was saved at: fairseq's own clock, which it keeps in
+    the checkpoint (``extra_state.previous_training_time``; the validations and checkpoint saves before it included),
+    exact at any update, where its log has a record only every ``--log-interval`` updates."""
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    return float(state["extra_state"]["previous_training_time"])
 
 
 def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> dict[str, Any]:
@@ -85,12 +85,12 @@ def train(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> 
         scores = []
         for u in p.noise_updates:
             out = save_dir / "generate" / str(u)
+            checkpoint = translation.update_checkpoint(save_dir, u, last)
             ev = translation.evaluate(TranslationEvaluateParams(profile=p.profile, device=p.device), data_dir, save_dir,
-                                      out, tuple(translation_study.PLUGIN[:2]),
-                                      checkpoint=translation.update_checkpoint(save_dir, u, last))
+                                      out, tuple(translation_study.PLUGIN[:2]), checkpoint=checkpoint)
             hyps[seed, u] = translation.detokenized(translation.hypotheses((out / "generate.txt").read_text()))
             scores.append({"updates": u, "sacrebleu": ev["sacrebleu"], "bleu_tokenized": ev["bleu_tokenized"],
-                           "wall_s": wall_seconds(res["records"], u)})
+                           "wall_s": wall_seconds(checkpoint)})
         rows.append({"seed": seed, "key": res["key"], "trained": res["trained"], "scores": scores})
     pairs = []
     for u in p.noise_updates:
@@ -166,11 +166,12 @@ def caption(p: TranslationTechniquesParams, res: dict[str, Any]) -> str:
     return (f"DynamicConv baseline (stage 08's command) at profile `{res['profile']}`, seeds "
             f"{', '.join(str(r['seed']) for r in res['runs'])}, each trained once to {max(res['updates'])} updates and "
             f"decoded at {', '.join(map(str, res['updates']))} (the checkpoint it saved there); the techniques train "
-            f"{res['max_update']}. sacreBLEU on the test split; trained on {res.get('machine', 'an unrecorded CPU')}. "
+            f"{res['max_update']}. sacreBLEU on the test split; scored on {res.get('machine', 'an unrecorded CPU')}, where the runs "
+            f"were trained unless the run store already held them. "
             f"Seed sd: the sample sd over seeds, with its 95% chi-square interval. half_width_k_seeds: t(k-1)·√2·sd/√k, "
             f"the 95% half-width of a mean paired change over k seeds. seeds_for_T: the fewest seeds whose half-width "
             f"is at most T BLEU (empty: more than {MAX_SEEDS}). minutes_per_seed: the median over seeds of fairseq's wall "
-            f"clock to that update on {res.get('machine', 'this machine')}; minutes_for_T: seeds_for_T x minutes_per_seed, "
+            f"clock to that update (its validations and checkpoint saves on the way included); minutes_for_T: seeds_for_T x minutes_per_seed, "
             f"one configuration's training for T. bootstrap_half_width: the median half-width of "
             f"sacreBLEU's paired bootstrap ({res['bootstrap_resamples']} resamples) between two seeds; "
             f"pairs_covering_zero: how many of those intervals hold the true zero difference of two seeds of one "
@@ -202,13 +203,14 @@ def figure(res: dict[str, Any]) -> Figure:
         sel = pairs[covers == ok]
         if len(sel):
             ax2.errorbar(sel.change, y[covers == ok], xerr=[sel.change - sel.low, sel.high - sel.change], fmt="o",
-                         color=color, capsize=2, markersize=3, label=f"{label}: {len(sel)} of {len(pairs)}")
+                         color=color, capsize=2, markersize=3, label=f"{label}: {len(sel)} of {len(pairs)} (all lengths)")
     ax2.axvline(0, color="black", linewidth=1)
     ax2.set_yticks(y, [f"{u} upd., seeds {s}" for u, s in zip(pairs.updates, pairs.seeds)], fontsize=7)
     ax2.invert_yaxis()
     ax2.set_xlabel("BLEU difference, second seed minus first")
     ax2.set_title("Paired bootstrap of two seeds of one configuration\n(the true difference is 0)", fontsize=10)
-    ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)  # below: the rows fill the axes
+    # Below the panels, in a strip of its own: the rows fill the axes, and the x label is under them.
+    fig.legend(*ax2.get_legend_handles_labels(), fontsize=8, loc="lower center", bbox_to_anchor=(0.45, 0.0), ncol=2)
     n = np.arange(2, max(SEEDS_SHOWN) + 1)
     for u in updates:
         ax3.plot(n, [half_width(summary_row(res, u)["seed_sd"], k) for k in n], color=colors[u], marker=".",
@@ -225,7 +227,7 @@ def figure(res: dict[str, Any]) -> Figure:
     ax3.set_title("What a paired seed interval can resolve", fontsize=10)
     ax3.legend(fontsize=8, loc="upper right")
     fig.suptitle(f"DynamicConv baseline, profile {res['profile']}: BLEU over seeds and updates", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 
@@ -243,8 +245,18 @@ def metrics(res: dict[str, Any]) -> dict[str, Any]:
                 **{f"seeds_for_{t:g}": row[f"seeds_for_{t:g}"] for t in TARGETS}}
 
     row = summary_row(res, res["max_update"])
+    table = summary(res)
     return {"seeds": row["seeds"], "updates": res["updates"], **short(row),
-            "by_updates": {str(u): short(summary_row(res, u)) for u in res["updates"]}}
+            "by_updates": {str(u): short(summary_row(res, u)) for u in res["updates"]},
+            # The length at which each target costs one configuration the least training (point estimates of the sd).
+            **{f"cheapest_length_for_{t:g}": cheapest(table, t) for t in TARGETS}}
+
+
+def cheapest(table: pd.DataFrame, target: float) -> int | None:
+    """The update count of ``summary``'s rows whose ``minutes_for_<target>`` is least; None where no length reaches
+    the target within the seeds searched, or the minutes are unknown."""
+    col = table[f"minutes_for_{target:g}"].astype(float)
+    return None if col.isna().all() else int(table.updates[col.idxmin()])
 
 
 def main(argv: list[str] | None = None) -> int:
