@@ -168,6 +168,8 @@ def test_the_optimizer_state_lever_swaps_the_optimizer_and_its_measured_risk():
     assert list(own.quality_risk) == ["exact"]
     with pytest.raises(ValueError, match="optimizer_state"):
         plan.grid(req, True, plan.Levers(optimizer_state=("4-bit",)))
+    sharded = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum", devices=2, shard="full")
+    assert {o for *_, o in plan.grid(sharded, True, levers)} == {"sgd-momentum"}  # no swap over devices
     rows = plan.make_plan(req, 2**40, progress=False, levers=levers).rows.set_index(["precision", "optimizer"])
     for (precision, opt), r in rows.iterrows():  # each row is the account of its own optimizer
         assert r.peak_bytes == profile.account(dataclasses.replace(req, optimizer=opt), r.tech).peak

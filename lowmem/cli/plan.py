@@ -45,7 +45,7 @@ from lowmem.cli import models
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
-from lowmem.studies.levers import change as lever_change
+from lowmem.studies.quality_model import paired_change
 from lowmem.techniques import checkpoint
 from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
@@ -96,9 +96,11 @@ class Levers:
 
 def optimizer_for(req: Request, state: str, precision: str) -> str | None:
     """The optimizer a row with optimizer state ``state`` steps with: the request's own (``given``), its counterpart
-    in ``STATE``, or None where it has none (Kahan: none but under half-bf16)."""
+    in ``STATE``, or None where it has none (Kahan: none but under half-bf16; none over several devices)."""
     if state == "given":
         return req.optimizer
+    if req.devices > 1:
+        return None  # bitsandbytes' kernels take no DTensors (FSDP2), and the swaps are not accounted sharded
     if state == "kahan" and precision != "half-bf16":
         return None
     return STATE[state][req.optimizer][0] if req.optimizer in STATE[state] else None
@@ -161,7 +163,8 @@ def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]
         if path.exists():
             res = json.loads(path.read_text())
             if {arm, against} <= set(res["arms"]):
-                c = lever_change(res, arm, against)
+                # As lowmem.studies.levers.change, whose module imports the training stack a plan does not need.
+                c = paired_change({"seeds": res["seeds"], **res["arms"][arm]}, {"seeds": res["seeds"], **res["arms"][against]})
                 effects[key] = {"change": c.mean, "low": c.low, "high": c.high, "n": c.n,
                                 "where": f"WRN accuracy points against {against} in fp32, profile {res['profile']}"}
     return effects
