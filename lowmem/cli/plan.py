@@ -45,7 +45,7 @@ from lowmem.cli import models
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
-from lowmem.studies.quality_model import paired_change
+from lowmem.studies.quality_model import arm_change
 from lowmem.techniques import checkpoint
 from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
@@ -163,8 +163,7 @@ def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]
         if path.exists():
             res = json.loads(path.read_text())
             if {arm, against} <= set(res["arms"]):
-                # As lowmem.studies.levers.change, whose module imports the training stack a plan does not need.
-                c = paired_change({"seeds": res["seeds"], **res["arms"][arm]}, {"seeds": res["seeds"], **res["arms"][against]})
+                c = arm_change(res, arm, against)
                 effects[key] = {"change": c.mean, "low": c.low, "high": c.high, "n": c.n,
                                 "where": f"WRN accuracy points against {against} in fp32, profile {res['profile']}"}
     return effects

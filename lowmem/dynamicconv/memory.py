@@ -28,12 +28,12 @@ from typing import Any
 
 import pandas as pd
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, StepFn, StorageFormat, account_step, dense
 from lowmem.memory.measure import measure_step
-from lowmem.techniques import sharding, sparsity
+from lowmem.techniques import precision, sharding, sparsity
 
 _root_level = logging.getLogger().level
 from fairseq import optim  # noqa: E402
@@ -222,10 +222,9 @@ def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int,
                 # WRN's pattern out on meta first; the plugin builds its model in one go).
                 raise ValueError("--sparsity cannot be accounted with --precision mixed-bf16 or on several devices "
                                  "(both need fake tensors); account --precision half-bf16 with --sparsity on one device")
-            # Fake CPU tensors, as precision.shapes_only makes them, but taking real ones too: bitsandbytes' 8-bit
-            # optimizers build their code books as real CPU tensors (lowmem.techniques.optimizers._on_cpu).
-            ctx, device = ExitStack(), "cpu"
-            ctx.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            fake, dev = precision.shapes_only(precision.parse("mixed-bf16"))  # fake CPU tensors
+            ctx, device = ExitStack(), str(dev)
+            ctx.enter_context(fake)
             ctx.enter_context(_shapes_as_sizes())
             if shard.active:
                 ctx.enter_context(sharding.fake_group(shard.devices))

@@ -184,6 +184,7 @@ def figure(res: dict[str, Any]) -> Figure:
     one line per length, with the targets."""
     updates = res["updates"]
     colors = dict(zip(updates, plt.get_cmap("viridis")(np.linspace(0.0, 0.8, len(updates)))))
+    sd = {u: summary_row(res, u)["seed_sd"] for u in updates}
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 5), width_ratios=[1.0, 1.2, 1.2])
     for r in res["runs"]:
         ax1.plot(updates, [s["sacrebleu"] for s in r["scores"]], marker="o", label=f"seed {r['seed']}")
@@ -191,7 +192,7 @@ def figure(res: dict[str, Any]) -> Figure:
     ax1.set_xlabel("updates")
     ax1.set_ylabel("sacreBLEU (test split)")
     ax1.set_title("Baseline, one line per seed\nsd " + ", ".join(
-        f"{summary_row(res, u)['seed_sd']:.2f}" for u in updates) + " at these lengths", fontsize=10)
+        f"{sd[u]:.2f}" for u in updates) + " at these lengths", fontsize=10)
     ax1.legend(fontsize=8, loc="lower right")
     pairs = pd.DataFrame(res["pairs"])
     covers = ((pairs.low <= 0) & (pairs.high >= 0)).to_numpy()
@@ -213,7 +214,7 @@ def figure(res: dict[str, Any]) -> Figure:
     fig.legend(*ax2.get_legend_handles_labels(), fontsize=8, loc="lower center", bbox_to_anchor=(0.45, 0.0), ncol=2)
     n = np.arange(2, max(SEEDS_SHOWN) + 1)
     for u in updates:
-        ax3.plot(n, [half_width(summary_row(res, u)["seed_sd"], k) for k in n], color=colors[u], marker=".",
+        ax3.plot(n, [half_width(sd[u], k) for k in n], color=colors[u], marker=".",
                  label=f"{u} updates")
     for t in TARGETS:
         ax3.axhline(t, color="grey", linestyle=":", linewidth=1)
@@ -244,10 +245,11 @@ def metrics(res: dict[str, Any]) -> dict[str, Any]:
                 "pairs_covering_zero": row["pairs_covering_zero"], "minutes_per_seed": None if math.isnan(row["minutes_per_seed"]) else round(row["minutes_per_seed"], 2),
                 **{f"seeds_for_{t:g}": row[f"seeds_for_{t:g}"] for t in TARGETS}}
 
-    row = summary_row(res, res["max_update"])
-    table = summary(res)
+    rows = {u: summary_row(res, u) for u in res["updates"]}
+    table = pd.DataFrame(rows.values())  # summary(res)
+    row = rows[res["max_update"]]
     return {"seeds": row["seeds"], "updates": res["updates"], **short(row),
-            "by_updates": {str(u): short(summary_row(res, u)) for u in res["updates"]},
+            "by_updates": {str(u): short(rows[u]) for u in res["updates"]},
             # The length at which each target costs one configuration the least training (point estimates of the sd).
             **{f"cheapest_length_for_{t:g}": cheapest(table, t) for t in TARGETS}}
 

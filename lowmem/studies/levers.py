@@ -45,7 +45,7 @@ from lowmem.config import ParamError
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
 from lowmem.studies.combinations import CombinationsParams, resolve_task, wrn_shape
-from lowmem.studies.quality_model import paired_change
+from lowmem.studies.quality_model import arm_change as change
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.params import BaselineParams
@@ -123,11 +123,6 @@ def table(res: dict[str, Any], study: str) -> pd.DataFrame:
                      "reduction": base_mib / m["total_mib"],
                      "time_ratio": statistics.median(arms[arm]["step_s"]) / statistics.median(arms[against]["step_s"])})
     return pd.DataFrame(rows)
-
-
-def change(res: dict[str, Any], arm: str, against: str) -> quality.Paired:
-    """``arm``'s accuracy change in points against ``against``, paired by seed."""
-    return paired_change({"seeds": res["seeds"], **res["arms"][arm]}, {"seeds": res["seeds"], **res["arms"][against]})
 
 
 def caption(res: dict[str, Any]) -> str:

@@ -44,6 +44,12 @@ def paired_change(run: dict[str, Any], baseline: dict[str, Any]) -> quality.Pair
     return quality.paired(quality.seed_pairs(by_seed(run), by_seed(baseline)))
 
 
+def arm_change(res: dict[str, Any], arm: str, against: str) -> quality.Paired:
+    """In a study whose arms all trained on ``res["seeds"]`` (``res["arms"]``: lowmem.studies.levers), ``arm``'s
+    accuracy change in points against ``against``, paired by seed."""
+    return paired_change({"seeds": res["seeds"], **res["arms"][arm]}, {"seeds": res["seeds"], **res["arms"][against]})
+
+
 def predict(memory: pd.DataFrame, effects: dict[tuple[str, Any], quality.Paired]) -> pd.Series:
     """Each combination's predicted quality change: the sum of its lossy levers' effects alone (exact levers add
     zero, by ``EXACT``'s tests). NaN where a lever's effect is unknown (its setting was not trained alone)."""

@@ -76,9 +76,10 @@ def shapes_only(prec: Precision) -> tuple[AbstractContextManager[Any], torch.dev
 
     The meta device, except in mixed modes: autocast acts on a device type and meta is none, so those use fake CPU
     tensors (torch's FakeTensorMode), equally free of data, which autocast sees as CPU tensors. The two give the same
-    bytes for the same step (fp32 checked in the tests)."""
+    bytes for the same step (fp32 checked in the tests). Real tensors are taken beside the fake ones: bitsandbytes'
+    8-bit optimizers build their code books as real CPU tensors (lowmem.techniques.optimizers._on_cpu)."""
     if prec.kind == "mixed":
-        return FakeTensorMode(), torch.device("cpu")
+        return FakeTensorMode(allow_non_fake_inputs=True), torch.device("cpu")
     return nullcontext(), torch.device("meta")
 
 
