@@ -135,6 +135,32 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
     assert frontier.beyond_rows_dynamicconv(tmp_path, tmp_path / "nothing").empty
 
 
+def test_one_seed_bleu_intervals_are_widened_by_the_noise_study_at_their_own_length_only(tmp_path: Path) -> None:
+    scores = {600: [12.0, 13.0, 14.5], 1400: [23.0, 23.2, 22.9]}
+    noise = {"profile": "cpu", "updates": [600, 1400], "machine": "CPU A",
+             "runs": [{"seed": s, "scores": [{"updates": u, "sacrebleu": scores[u][s]} for u in scores]} for s in range(3)]}
+    (tmp_path / "bleu_noise_train.json").write_text(json.dumps(noise))
+    got = frontier.dc_seed_noise(tmp_path, "cpu", 1400)
+    assert (got["seeds"], got["sd"]) == (3, pytest.approx(float(np.std(scores[1400], ddof=1)), rel=1e-12))
+    assert frontier.dc_seed_noise(tmp_path, "smoke", 1400) is None  # another profile's noise is not this one's
+    assert frontier.dc_seed_noise(tmp_path, "cpu", 1000) is None  # nor another length's
+    assert frontier.dc_seed_noise(tmp_path / "nothing", "cpu", 600) is None
+    rows = pd.DataFrame({"name": ["baseline", "a", "a+checkpoint", "untested", "wrn-like"],
+                         "quality_change": [0.0, -0.4, -0.4, -1.0, -0.2], "quality_low": [0.0, -0.9, -0.9, np.nan, -0.5],
+                         "quality_high": [0.0, 0.1, 0.1, np.nan, 0.1], "quality_n": [1, 1, 1, 1, 3]})
+    wide = frontier.widen_by_seed_noise(rows, got).set_index("name")
+    want = quality.with_seed_noise(quality.Paired(-0.4, -0.9, 0.1, 1, np.nan), got["sd"], 3)
+    for n in ("a", "a+checkpoint"):  # an exact twin carries its run's quality, so the same interval
+        assert (wide.loc[n, "quality_low"], wide.loc[n, "quality_high"]) == (want.low, want.high)
+    assert want.low < -0.9 and want.high > 0.1
+    # The baseline's own run differs from itself by exactly zero; a run without an interval and a seed-paired WRN
+    # row are not one seed's bootstrap.
+    assert wide.loc["baseline", ["quality_low", "quality_high"]].tolist() == [0.0, 0.0]
+    assert wide.loc["untested", ["quality_low", "quality_high"]].isna().all()
+    assert wide.loc["wrn-like", ["quality_low", "quality_high"]].tolist() == [-0.5, 0.1]
+    assert frontier.widen_by_seed_noise(rows, None).equals(rows)
+
+
 def test_comparison_says_so_for_a_task_with_no_lever_beyond_the_paper() -> None:
     ref = frontier.paper_reference()
     task = next(iter(ref["tasks"]))

@@ -85,3 +85,38 @@ def test_bad_inputs_are_refused_with_what_was_given() -> None:
         quality.per_example([True, False], [True])
     with pytest.raises(ValueError, match="references"):
         quality.bleu_paired(["a"], ["a", "b"], ["a"])
+
+
+def _one_seed_pair(rng: np.random.Generator, true: float, seed_sd: float, boot_se: float, noise_seeds: int):
+    """One configuration-baseline pair of one seed each, its bootstrap interval, and the seed sd measured on
+    ``noise_seeds`` other runs of the baseline: the inputs ``with_seed_noise`` gets from the pipeline."""
+    z = 1.959963984540054
+    d = true + rng.normal(0, seed_sd * math.sqrt(2)) + rng.normal(0, boot_se)
+    measured_sd = float(rng.normal(0, seed_sd, size=noise_seeds).std(ddof=1))
+    return Paired(d, d - z * boot_se, d + z * boot_se, 1, math.nan), measured_sd
+
+
+@pytest.mark.parametrize("seed_sd, boot_se", [(0.9, 0.35), (0.2, 0.35)])
+def test_the_seed_noise_interval_of_one_seed_covers_the_true_change_95_percent_of_the_time(seed_sd: float, boot_se: float) -> None:
+    # Each run of the pair carries the seed noise: without the √2, or with z instead of Satterthwaite's t over 4
+    # noise seeds, the first case covers about 85-90%; the bootstrap interval alone covers less in both.
+    rng = np.random.default_rng(2)
+    pairs = [_one_seed_pair(rng, -0.3, seed_sd, boot_se, 4) for _ in range(4000)]
+    cov = float(np.mean([(lambda r: r.low <= -0.3 <= r.high)(quality.with_seed_noise(c, sd, 4)) for c, sd in pairs]))
+    boot_only = float(np.mean([c.low <= -0.3 <= c.high for c, _ in pairs]))
+    assert abs(cov - quality.LEVEL) < 0.015, cov  # 4000 trials: the binomial sd is 0.0034
+    assert boot_only < quality.LEVEL - 0.05, boot_only  # what the headline claimed before
+
+
+def test_the_seed_noise_interval_reduces_to_each_source_alone() -> None:
+    from scipy import stats
+    boot = Paired(1.0, 0.2, 1.6, 1, math.nan)  # asymmetric, as a bootstrap's percentiles may be
+    none = quality.with_seed_noise(boot, 0.0, 4)  # no seed noise: the bootstrap's width, made symmetric
+    assert (none.low, none.high) == pytest.approx((1.0 - 0.7, 1.0 + 0.7), abs=1e-12)
+    flat = Paired(1.0, 1.0, 1.0, 1, math.nan)  # no test-set noise: t with the noise study's n - 1 = 3 df
+    only = quality.with_seed_noise(flat, 0.5, 4)
+    assert only.high - 1.0 == pytest.approx(stats.t.ppf(0.975, 3) * math.sqrt(2) * 0.5, rel=1e-12)
+    unknown = Paired(1.0, math.nan, math.nan, 1, math.nan)
+    assert quality.with_seed_noise(unknown, 0.5, 4) is unknown
+    with pytest.raises(ValueError, match="two or more seeds"):
+        quality.with_seed_noise(boot, 0.5, 1)

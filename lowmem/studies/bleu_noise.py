@@ -125,15 +125,10 @@ def results(p: TranslationTechniquesParams, data_dir: str | Path, path: str | Pa
     return runs.read_json(path)
 
 
-def scores(res: dict[str, Any], updates: int) -> list[float]:
-    """Each seed's sacreBLEU at ``updates``, in seed order."""
-    return [next(s["sacrebleu"] for s in r["scores"] if s["updates"] == updates) for r in res["runs"]]
-
-
 def summary_row(res: dict[str, Any], updates: int) -> dict[str, Any]:
     """At ``updates``: the seed spread of sacreBLEU, the paired half-width for a few seed counts, the seeds each
     target needs, and how often the one-seed bootstrap interval covered a true zero."""
-    bleu = scores(res, updates)
+    bleu = quality.seed_scores(res, updates)
     n, sd = len(bleu), statistics.stdev(bleu)
     low, high = sd_interval(sd, n)
     pairs = pd.DataFrame([q for q in res["pairs"] if q["updates"] == updates])

@@ -14,6 +14,7 @@ writes.
 from __future__ import annotations
 
 import json
+import statistics
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,7 +94,8 @@ def _exact_fill(df: pd.DataFrame, exact: dict[str, str] = EXACT, precisions: tup
 def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     """The sweep's table with what was trained joined in: ``quality_change`` against the baseline (accuracy points
     for WRN, sacreBLEU for DynamicConv) with its 95% interval (``quality_low``, ``quality_high``: WRN's paired over
-    ``quality_n`` seeds, DynamicConv's paired bootstrap of one seed's test set where it was computed), where the
+    ``quality_n`` seeds, DynamicConv's paired bootstrap of one seed's test set where it was computed, which ``study``
+    widens by the seed noise, ``widen_by_seed_noise``), where the
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, and whether the
     point is Pareto-optimal in (reduction, quality change)."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
@@ -184,6 +186,36 @@ def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
                          "quality_from": f"stage {stage}", "profile": res["profile"], "study": stage,
                          "machine": res.get("machine", "not recorded")})
     return pd.DataFrame(rows)
+
+
+def dc_seed_noise(metrics_dir: Path, profile: str, updates: int) -> dict[str, Any] | None:
+    """The DynamicConv baseline's seed sd of sacreBLEU at ``updates``, from stage bleu_noise_train
+    (``metrics/bleu_noise_train.json``), when that study ran at ``profile`` and decoded that length; else None, and
+    the intervals stay the bootstrap's (``study``'s setting text says so)."""
+    path = Path(metrics_dir) / "bleu_noise_train.json"
+    if not path.exists():
+        return None
+    res = json.loads(path.read_text())
+    if res["profile"] != profile or updates not in res["updates"]:
+        return None
+    bleu = quality.seed_scores(res, updates)
+    return {"sd": statistics.stdev(bleu), "seeds": len(bleu), "updates": updates,
+            "machine": res.get("machine", "not recorded")}
+
+
+def widen_by_seed_noise(df: pd.DataFrame, noise: dict[str, Any] | None) -> pd.DataFrame:
+    """DynamicConv's one-seed rows with their bootstrap interval widened by ``noise`` (``dc_seed_noise``;
+    ``quality.with_seed_noise``). A zero-width interval is the baseline's own run (checkpointing's too): its
+    change is zero on every resample and in every seed, so it stays."""
+    df = df.copy()
+    if noise is None or df.empty:
+        return df
+    rows = df.index[(df.quality_n == 1) & df.quality_low.notna() & (df.quality_low != df.quality_high)]
+    for i in rows:
+        c = quality.with_seed_noise(quality.Paired(float(df.at[i, "quality_change"]), float(df.at[i, "quality_low"]),
+                                                   float(df.at[i, "quality_high"]), 1, np.nan), noise["sd"], noise["seeds"])
+        df.loc[i, ["quality_low", "quality_high"]] = [c.low, c.high]
+    return df
 
 
 def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
@@ -331,15 +363,29 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     dc_run = json.loads((metrics_dir / "translation_techniques_train.json").read_text())
     corpus = json.loads((metrics_dir / "translation.json").read_text())["corpus"]
     profile = {t: r.profile.iloc[0] for t, r in res.items()}
+    noise = dc_seed_noise(metrics_dir, profile["dynamicconv"], dc_run["max_update"])
+    res["dynamicconv"] = widen_by_seed_noise(res["dynamicconv"], noise)
+    if noise is None:
+        dc_intervals = ("intervals: paired bootstrap of the test set only, which leaves out training's seed-to-seed "
+                        "noise: stage bleu_noise_train has not measured it at this profile and length")
+    else:
+        dc_intervals = (f"intervals: paired bootstrap of the test set widened by the baseline's seed sd at "
+                        f"{noise['updates']} updates, {noise['sd']:.2f} BLEU over {noise['seeds']} seeds "
+                        "(stage bleu_noise_train), as if both runs of a pair were independent seeds")
     trained_on = {
         "wrn": f"profile `{profile['wrn']}`: {wrn_run['model']} on {wrn_run['data']}, {wrn_run['epochs']} epochs at "
                f"batch {wrn_run['batch_size']}, seeds {wrn_run['seeds']} (each paired with the baseline's)",
         "dynamicconv": f"profile `{profile['dynamicconv']}`: the profile's DynamicConv on {corpus}, "
-                       f"{dc_run['max_update']} updates, seed {dc_run['seed']} (sacreBLEU; intervals: paired bootstrap of the test set)",
+                       f"{dc_run['max_update']} updates, seed {dc_run['seed']} (sacreBLEU; {dc_intervals})",
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    beyond = {"wrn": beyond_rows(metrics_dir), "dynamicconv": beyond_rows_dynamicconv(sweep_dir, metrics_dir)}
+    levers_dc = metrics_dir / "translation_levers_train.json"
+    if levers_dc.exists() and (n := json.loads(levers_dc.read_text())["max_update"]) != dc_run["max_update"]:
+        raise ValueError(f"stage translation_levers_train trained {n} updates but stage 08's baseline "
+                         f"{dc_run['max_update']}: rerun both at one length")
+    beyond = {"wrn": beyond_rows(metrics_dir),
+              "dynamicconv": widen_by_seed_noise(beyond_rows_dynamicconv(sweep_dir, metrics_dir), noise)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}
     for t, b in beyond.items():
         if set(b.profile) != {profile[t]}:
@@ -364,8 +410,8 @@ def overview(s: Study) -> str:
 FRONTIER_CAPTION = (
     "Memory: accounted peak of one full-size training step (exact; the same in every profile). Quality: runs at "
     "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: the 95% "
-    "interval of the paired change (WRN: over seeds; DynamicConv: paired bootstrap of one seed's test set, where "
-    "computed). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
+    "interval of the paired change (WRN: over seeds; DynamicConv: one seed's paired bootstrap of the test set, where "
+    "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
     "so they carry its quality. White points: time per step not measured at this profile. Stars: configurations with a "
     "lever beyond the paper (WRN: compressed activations, Kahan-compensated bf16, 8-bit momentum; DynamicConv: 8-bit "
     "Adam moments), trained beside their own baseline (WRN: on the same seeds; DynamicConv: paired bootstrap), on one "

@@ -5,7 +5,8 @@ seeds, and the difference of each seed's pair is the sample. Its 95% interval is
 (``paired``). Two cheaper views of the test split's own noise sit beside it, for one pair of models: per-example
 paired correctness for accuracy (``per_example``, the normal approximation to McNemar's test) and sacreBLEU's paired
 bootstrap resampling for BLEU (``bleu_paired``). They see the test set's sampling only, never the seed-to-seed noise
-of training, so a seed interval is the one the headline uses.
+of training, so a seed interval is the one the headline uses. Where a configuration has one seed (DynamicConv),
+``with_seed_noise`` widens its bootstrap interval by the seed-to-seed spread measured on the baseline elsewhere.
 
 ``within_budget`` is the decision rule, stated once: every table and figure that says "within budget" calls it and
 prints ``RULES[rule]`` under itself.
@@ -117,6 +118,35 @@ def bleu_paired(hypotheses: Sequence[str], baseline: Sequence[str], references: 
     tail = (1 - LEVEL) / 2
     low, high = np.quantile(deltas, [tail, 1 - tail])
     return Paired(float(full), float(low), float(high), len(references), float(deltas.std(ddof=1)))
+
+
+def seed_scores(noise: dict, updates: int) -> list[float]:
+    """Each seed's sacreBLEU at ``updates`` in a result of stage bleu_noise_train (``runs[].scores[]``), in seed
+    order; an error naming the lengths it has when ``updates`` is not one of them."""
+    if updates not in noise["updates"]:
+        raise ValueError(f"the noise study decoded at {noise['updates']} updates, not {updates}")
+    return [next(s["sacrebleu"] for s in r["scores"] if s["updates"] == updates) for r in noise["runs"]]
+
+
+def with_seed_noise(change: Paired, seed_sd: float, seeds: int) -> Paired:
+    """One seed's paired-bootstrap ``change`` (``bleu_paired``), its interval widened by training's seed-to-seed noise:
+    ``seed_sd``, the sd of the baseline's quality over ``seeds`` seeds, measured at the same length elsewhere (stage
+    bleu_noise_train). Both runs of the pair carry that noise, taken as independent (same-seed runs are correlated,
+    so this is the wide case), and the test set's sampling adds the bootstrap's variance:
+    se² = se_b² + 2 · seed_sd², with se_b from the bootstrap interval as (high - low) / (2 · z). The quantile is
+    Student's t at Welch-Satterthwaite's degrees of freedom, se⁴ / ((2 · seed_sd²)² / (seeds - 1)), since only the
+    seed variance is estimated from few samples. The interval is symmetric about the full test set's change.
+    No bootstrap interval (NaN) stays NaN."""
+    if seeds < 2 or not (math.isfinite(seed_sd) and seed_sd >= 0):
+        raise ValueError(f"the seed sd needs a finite value >= 0 from two or more seeds, got {seed_sd} from {seeds}")
+    if math.isnan(change.low) or math.isnan(change.high):
+        return change
+    z = float(stats.norm.ppf(0.5 + LEVEL / 2))
+    var_boot, var_seed = ((change.high - change.low) / (2 * z)) ** 2, 2 * seed_sd ** 2
+    se = math.sqrt(var_boot + var_seed)
+    df = math.inf if var_seed == 0 else se ** 4 / (var_seed ** 2 / (seeds - 1))
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, df)) * se
+    return Paired(change.mean, change.mean - half, change.mean + half, change.n, se)
 
 
 def within_budget(change: Paired, budget: float, rule: str) -> bool:
