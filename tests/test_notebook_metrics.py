@@ -105,6 +105,16 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
         p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
         assert m[track]["accounted"] == len(combinations.grid(p))
+    # DynamicConv's one-seed intervals hold the seed noise of the baseline at least: each is no narrower than
+    # z · √2 · seed sd about its change (a bootstrap interval alone was about a third of that at 600 updates).
+    noise = m["dynamicconv_seed_noise"]
+    if noise is not None:
+        rows = [r for rule in ("best_within", "best_within_beyond") for b in m["dynamicconv"].get(rule, {}).values()
+                for r in b.values() if r["quality_low"] is not None and r["quality_low"] != r["quality_high"]]
+        assert rows, "no one-seed DynamicConv row with an interval to check"
+        for r in rows:
+            half = 1.959963984540054 * 2 ** 0.5 * noise["sd"] - 1e-3  # the metrics round to 4 places
+            assert r["quality_high"] - r["quality_change"] >= half and r["quality_change"] - r["quality_low"] >= half, r
 
 
 def test_10_proxy_noise_narrows_with_seeds_and_needs_more_seeds_for_a_tighter_target(notebook_metrics: Callable[[str, str], dict]) -> None:

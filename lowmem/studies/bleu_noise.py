@@ -16,7 +16,8 @@ the questions notebook 10 asks for WRN:
 fairseq seeds each update from the seed and the update's number, so the checkpoint a longer run saves at update u
 is the model a u-update run ends with (tests/test_translation.py checks the parameters bit for bit): one run per
 seed gives every length. The stage is left out of ``make repro``; its result is committed
-(metrics/bleu_noise_train.json) and notebook 08 reads it.
+(metrics/bleu_noise_train.json). Notebook 08 reads it, and notebook 09 and the headline widen DynamicConv's
+one-seed intervals by its seed sd (``frontier.widen_by_seed_noise``).
 
     python -m lowmem.studies.bleu_noise --params data/params/translation_techniques.yaml --metrics FILE
 """

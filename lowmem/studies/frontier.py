@@ -196,7 +196,7 @@ def dc_seed_noise(metrics_dir: Path, profile: str, updates: int) -> dict[str, An
     if not path.exists():
         return None
     res = json.loads(path.read_text())
-    if res["profile"] != profile or updates not in res["updates"]:
+    if res["profile"] != profile or updates not in res.get("updates", []):
         return None
     bleu = quality.seed_scores(res, updates)
     return {"sd": statistics.stdev(bleu), "seeds": len(bleu), "updates": updates,
@@ -340,6 +340,7 @@ class Study:
     beyond: dict[str, pd.DataFrame]  # per task, configurations with a lever beyond the paper (``beyond_rows``)
     best_beyond: dict[str, pd.DataFrame]  # ``best_within`` over the paper's combinations and those, together
     accounted: dict[str, int]  # per task, every combination of the sweep, levers beyond the paper included
+    seed_noise: dict[str, Any] | None = None  # what widened DynamicConv's one-seed intervals (``dc_seed_noise``)
 
     @property
     def profile(self) -> dict[str, str]:
@@ -380,10 +381,6 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    levers_dc = metrics_dir / "translation_levers_train.json"
-    if levers_dc.exists() and (n := json.loads(levers_dc.read_text())["max_update"]) != dc_run["max_update"]:
-        raise ValueError(f"stage translation_levers_train trained {n} updates but stage 08's baseline "
-                         f"{dc_run['max_update']}: rerun both at one length")
     beyond = {"wrn": beyond_rows(metrics_dir),
               "dynamicconv": widen_by_seed_noise(beyond_rows_dynamicconv(sweep_dir, metrics_dir), noise)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}
@@ -391,11 +388,16 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
         if set(b.profile) != {profile[t]}:
             raise ValueError(f"{t}: the levers beyond the paper trained at profile {sorted(set(b.profile))}, the combinations at "
                              f"{profile[t]!r}: rerun both at one profile")
+    levers_dc = metrics_dir / "translation_levers_train.json"
+    if levers_dc.exists() and (n := json.loads(levers_dc.read_text())["max_update"]) != dc_run["max_update"]:
+        raise ValueError(f"stage translation_levers_train trained {n} updates but stage 08's baseline "
+                         f"{dc_run['max_update']}: rerun both at one length")
     best_beyond = {t: pd.concat([best_within(pd.concat([res[t], b], ignore_index=True), budgets[t], rule=rule)
                                  for rule in RULES], ignore_index=True) for t, b in beyond.items()}
     return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference(),
                  beyond=beyond, best_beyond=best_beyond,
-                 accounted={task: len(pd.read_csv(sweep_dir / f"{task}_sweep.csv")) for task in budgets})
+                 accounted={task: len(pd.read_csv(sweep_dir / f"{task}_sweep.csv")) for task in budgets},
+                 seed_noise=noise)
 
 
 def overview(s: Study) -> str:
@@ -414,7 +416,8 @@ FRONTIER_CAPTION = (
     "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
     "so they carry its quality. White points: time per step not measured at this profile. Stars: configurations with a "
     "lever beyond the paper (WRN: compressed activations, Kahan-compensated bf16, 8-bit momentum; DynamicConv: 8-bit "
-    "Adam moments), trained beside their own baseline (WRN: on the same seeds; DynamicConv: paired bootstrap), on one "
+    "Adam moments), trained beside their own baseline (WRN: on the same seeds; DynamicConv: one seed, its interval as "
+    "the other DynamicConv points'), on one "
     "machine per study; their time is from those runs; a white star is the exact twin of a trained one.")
 
 
@@ -556,7 +559,8 @@ def paper_comparison(s: Study) -> pd.DataFrame:
 def comparison_caption(s: Study) -> str:
     """The caption of ``paper_comparison``: where the paper's numbers and ours come from."""
     return (f"Paper: {s.reference['citation']}. Ours: memory reduction accounted at full size, quality change from the "
-            "stated profile, with its 95% interval (low, high) over n seeds. At the cpu profile the quality is measured "
+            "stated profile, with its 95% interval (low, high) over n seeds (DynamicConv: one seed, its interval as its "
+            "setting says). At the cpu profile the quality is measured "
             "on a smaller model and offline data, not CIFAR-10 or IWSLT'14. The rows \"the paper's and beyond\" add "
             "the configurations with a lever beyond the paper, each paired with the baseline trained beside it in its "
             f"own study, on that study's machine ({', '.join(quality_sources(s))}). {rules_text()}")
@@ -594,6 +598,7 @@ def metrics(s: Study) -> dict[str, Any]:
     best, best_beyond = _best_configs(s.best), _best_configs(s.best_beyond)
     summary: dict[str, Any] = {
         "profile": s.profile,
+        "dynamicconv_seed_noise": s.seed_noise,  # None: DynamicConv's intervals are the bootstrap's alone
         "paper": {t: {"reduction": v["memory_reduction"], "quality_change": v["quality_change"]}
                   for t, v in s.reference["tasks"].items()},
     }

@@ -169,7 +169,7 @@ def reading(r: Report) -> str:
         lines.append(f"- {who}: within the paper's budget of {row.budget}, the best combination "
                      f"is `{row.our_config}` at {row.our_reduction:.1f}x ({row.our_change:+.2f}, {interval}), {side} the "
                      f"paper's {row.paper_reduction:g}x ({row.ours_over_paper:.2f} of it). Its quality comes from "
-                     f"{row.our_setting.split(';')[0]}.")
+                     f"{row.our_setting.split('; memory: ')[0]}.")
     cb = r.metrics["combinations"]
     for task in cb["profile"]:
         lines.append(f"- {task}: the grid's largest accounted reduction is {cb[task]['max_accounted_reduction']:.1f}x "

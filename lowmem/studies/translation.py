@@ -239,7 +239,7 @@ def run_caption(p: TranslationTechniquesParams, t: Trained) -> str:
         f"updates per run, seed {t.runs['seed']}, last checkpoint. sacrebleu_change_low/high: the 95% interval of the "
         f"sacreBLEU change by sacreBLEU's paired bootstrap over test sentences ({BOOTSTRAP} resamples; one seed, so it "
         f"leaves out training's own noise; notebook 09 and the headline widen it by the seed sd stage bleu_noise_train "
-        f"measured at this length). Only the paper profile is the paper's model on IWSLT'14. "
+        f"measured, where it measured this profile and length). Only the paper profile is the paper's model on IWSLT'14. "
         f"Memory: the full-size model as above. Time ratio: seconds per update against the baseline's, on this machine "
         f"({machine}). Empty cells: not trained or not timed at this profile (params.yaml, translation_techniques)."
     )
