@@ -324,3 +324,8 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
                                             "optimizer": eight}, plan_fairseq.measured(plan.ROOT))
     lever = plan_fairseq.levers_measured(plan.ROOT)["--optimizer lowmem_adamw8bit"]
     assert (change, low) == (lever["change"], lever["low"]) and label.startswith("--optimizer lowmem_adamw8bit: ")
+    # The risk carries the seed noise, as the headline's interval does: wider than the run's bootstrap alone.
+    run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_levers_train.json").read_text())["trained"]
+               if r["technique"] == "adamw-8bit")
+    assert lever["low"] < run["sacrebleu_change_low"] and lever["high"] > run["sacrebleu_change_high"]
+    assert "widened by the baseline's seed sd" in lever["where"]

@@ -18,6 +18,7 @@ that exact option was trained, else unmeasured.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +86,14 @@ def seed_widened(root: Path, change: float, low: float, high: float, profile: st
     and length, as the headline's (``frontier.widen_by_seed_noise``); the bootstrap's alone, said so, where none was."""
     from lowmem.studies import frontier, quality  # pandas and scipy only; kept off the planner's import path
     where = f"DynamicConv sacreBLEU, profile {profile}, 1 seed"
+    if math.isnan(low) or math.isnan(high):
+        return {"change": change, "low": low, "high": high, "where": where + ", no interval"}
+    if low == high:  # zero width: the baseline's own run, as in the headline
+        return {"change": change, "low": low, "high": high, "where": where + ", bootstrap interval"}
     noise = frontier.dc_seed_noise(root / "metrics", profile, updates) if updates is not None else None
-    if noise is None or low == high:  # zero width: the baseline's own run, as in the headline
+    if noise is None:
         return {"change": change, "low": low, "high": high,
-                "where": where + (", bootstrap interval" if low == high else ", bootstrap interval only (seed noise not measured)")}
+                "where": where + f", bootstrap interval only (no seed noise measured at profile {profile}, {updates} updates)"}
     c = quality.with_seed_noise(quality.Paired(change, low, high, 1, float("nan")), noise["sd"], noise["seeds"])
     return {"change": change, "low": c.low, "high": c.high,
             "where": f"{where}, bootstrap interval widened by the baseline's seed sd over {noise['seeds']} seeds"}

@@ -196,9 +196,12 @@ def dc_seed_noise(metrics_dir: Path, profile: str, updates: int) -> dict[str, An
     if not path.exists():
         return None
     res = json.loads(path.read_text())
-    if res["profile"] != profile or updates not in res.get("updates", []):
+    if res.get("profile") != profile or updates not in res.get("updates", []):
         return None
     bleu = quality.seed_scores(res, updates)
+    if len(bleu) < 2:
+        raise ValueError(f"{path} has {len(bleu)} seed at {updates} updates; a seed sd needs two or more: rerun "
+                         "stage bleu_noise_train with more translation_techniques.noise_seeds")
     return {"sd": statistics.stdev(bleu), "seeds": len(bleu), "updates": updates,
             "machine": res.get("machine", "not recorded")}
 
@@ -372,7 +375,7 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     else:
         dc_intervals = (f"intervals: paired bootstrap of the test set widened by the baseline's seed sd at "
                         f"{noise['updates']} updates, {noise['sd']:.2f} BLEU over {noise['seeds']} seeds "
-                        "(stage bleu_noise_train), as if both runs of a pair were independent seeds")
+                        f"(stage bleu_noise_train, on {noise['machine']}), as if both runs of a pair were independent seeds")
     trained_on = {
         "wrn": f"profile `{profile['wrn']}`: {wrn_run['model']} on {wrn_run['data']}, {wrn_run['epochs']} epochs at "
                f"batch {wrn_run['batch_size']}, seeds {wrn_run['seeds']} (each paired with the baseline's)",

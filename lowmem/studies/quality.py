@@ -125,7 +125,10 @@ def seed_scores(noise: dict, updates: int) -> list[float]:
     order; an error naming the lengths it has when ``updates`` is not one of them."""
     if updates not in noise["updates"]:
         raise ValueError(f"the noise study decoded at {noise['updates']} updates, not {updates}")
-    return [next(s["sacrebleu"] for s in r["scores"] if s["updates"] == updates) for r in noise["runs"]]
+    got = [[s["sacrebleu"] for s in r["scores"] if s["updates"] == updates] for r in noise["runs"]]
+    if not all(got):
+        raise ValueError(f"seeds {[r['seed'] for r, g in zip(noise['runs'], got) if not g]} have no score at {updates} updates")
+    return [g[0] for g in got]
 
 
 def with_seed_noise(change: Paired, seed_sd: float, seeds: int) -> Paired:
