@@ -5,6 +5,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -100,7 +101,7 @@ def test_a_bad_budget_names_the_units(text):
 
 
 SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "planned"), activation_bits=(0, 4),
-                    optimizer_state=("given",), microbatch_steps=2)
+                    optimizer_state=("given",), step=("plain",), microbatch_steps=2)
 
 
 def test_plan_keeps_what_fits_and_its_pareto_set():
@@ -156,7 +157,8 @@ def test_the_optimizer_state_lever_swaps_the_optimizer_and_its_measured_risk():
     from lowmem.studies import levers as lever_study
 
     req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
-    levers = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none",), activation_bits=(0,), microbatch_steps=1)
+    levers = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none",), activation_bits=(0,), step=("plain",),
+                         microbatch_steps=1)
     # Kahan only under 16-bit weights; every other setting once per optimizer state.
     assert [(t.precision, o) for t, _, o in plan.grid(req, True, levers)] == [
         ("fp32", "sgd-momentum"), ("fp32", "bnb-sgd8bit"), ("half-bf16", "sgd-momentum"), ("half-bf16", "bnb-sgd8bit"),
@@ -189,6 +191,49 @@ def test_the_optimizer_state_lever_swaps_the_optimizer_and_its_measured_risk():
     assert both.predicted_change == pytest.approx(plain16.predicted_change + c.mean)
 
 
+FUSABLE = Request("lowmem.cli.examples:transformer", 1, (16,), "adamw", 1000)  # at batch 1 its peak is at AdamW's step
+
+
+def test_the_fused_step_frees_every_gradient_but_one_layers_and_the_account_is_the_allocators():
+    m = models.build(FUSABLE.spec, "meta")
+    grads = sum(4 * p.numel() for p in m.parameters())
+    layer = max(sum(4 * p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+    plain, plain_ws = profile.measure(FUSABLE)
+    fused, fused_ws = profile.measure(dataclasses.replace(FUSABLE, step="fused"))
+    assert plain.peak_phase == "optimizer" and plain.category_max["gradients"] == grads  # every gradient at the step
+    assert fused.category_max["gradients"] == layer < grads  # one layer's (the output projection's weight and bias)
+    assert fused.category_max["optimizer"] == plain.category_max["optimizer"]  # the same AdamW state
+    assert fused.peak < plain.peak
+    for r, ws in ((plain, plain_ws), (fused, fused_ws)):  # accounted on fake tensors = the CPU allocator's peak
+        assert abs(ws - r.measured_peak) <= 1e-4 * r.measured_peak, (ws, r.measured_peak)
+
+
+def test_the_plan_fuses_the_step_where_it_lowers_the_peak_and_only_where_it_can_run():
+    fused_peak = profile.account(dataclasses.replace(FUSABLE, step="fused")).peak
+    budget = (fused_peak + profile.account(FUSABLE).peak) // 2
+    levers = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none",), activation_bits=(0,), optimizer_state=("given",))
+    p = plan.make_plan(FUSABLE, budget, progress=False, levers=levers)
+    fused = p.fitting[p.fitting.step == "fused"]
+    assert len(fused) == 1 and fused.peak_bytes.iloc[0] == fused_peak and fused.quality_risk.iloc[0] == "exact"
+    assert "fused_step.FusedOptimizer(model.parameters()" in fused.how_to_apply.iloc[0]
+    # Where it cannot run, no row: 16-bit weights (a loss scaler), a microbatch (accumulation).
+    batch4 = dataclasses.replace(FUSABLE, batch=4)
+    rows = plan.make_plan(batch4, 2**40, progress=False, levers=levers).rows
+    assert set(rows.step) == {"plain", "fused"}
+    assert set(rows[rows.step == "fused"].precision) == {"fp32"} and set(rows[rows.step == "fused"].microbatch) == {4}
+    # At a budget the plain step meets at its peak, the fused row with the same peak is dominated (it rules out
+    # clipping by the global norm), and one with a lower peak stays.
+    rows = pd.DataFrame({"peak_bytes": [100, 100, 90], "time": 1.0, "risk_key": 0.0, "lossy": 0.0,
+                         "step": ["plain", "fused", "fused"]})
+    assert list(plan.pareto(rows)) == [True, False, True]
+    with pytest.raises(SpecError, match="microbatch=1"):
+        profile.account(dataclasses.replace(batch4, step="fused"), Techniques(microbatch=1))
+    with pytest.raises(SpecError, match="over 2 devices"):
+        dataclasses.replace(batch4, step="fused", devices=2)
+    with pytest.raises(SpecError, match="fairseq-train steps after backward"):
+        Request("fairseq:lightconv_iwslt_de_en", 4, (16,), "adam", 100, step="fused")
+
+
 def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
     req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
     with pytest.raises(SpecError, match=r"the smallest peak is .* GiB, with Techniques\("):
@@ -202,6 +247,9 @@ def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
     (["profile", "torchvision:resnet18", "--input", "3x32x32", "--optimizer", "lion"], "is not one of sgd, sgd-momentum"),
     (["profile", "torchvision:resnet18", "--input", "3x4x4"], "the training step fails on this model and input"),
     (["plan", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--budget", "1KiB"], "no configuration fits"),
+    (["profile", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--devices", "2", "--step", "fused"], "over 2 devices"),
+    (["plan", "fairseq:lightconv_iwslt_de_en", "--batch", "4", "--input", "16", "--vocab", "100", "--budget", "1GiB",
+      "--step", "fused"], "add --step plain"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main.main(argv) == 2

@@ -1,6 +1,8 @@
 """The optimizer step fused into backward (lowmem.techniques.fused_step): the plain step's parameters after many
 steps under an LR schedule, gradients that never all exist at once, and refusals where it cannot work."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,47 @@ def test_a_resumed_optimizer_follows_the_schedule_it_loaded() -> None:
         opt.step()
     for p, q in zip(plain_model.parameters(), fused_model.parameters()):
         assert torch.equal(p, q)
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    # Two groups, as a recipe without weight decay on biases and BatchNorm makes them.
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    return [{"params": decay}, {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("make,resume", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05), True),
+    # bitsandbytes' state_dict wraps its 8-bit state in a format of its own (for FSDP), which torch's
+    # Optimizer.load_state_dict does not read: a fused 8-bit optimizer is not resumed from a plain one's checkpoint.
+    (lambda ps: __import__("bitsandbytes").optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.05, min_8bit_size=256), False),
+], ids=["adamw", "bnb-adamw8bit"])
+def test_any_per_parameter_optimizer_fused_equals_its_plain_step_and_loads_its_state(make, resume: bool) -> None:
+    plain_model, fused_model = _pair()
+    plain = make(_groups(plain_model))
+    fused = fused_step.FusedOptimizer(_groups(fused_model), make)
+    scheds = [torch.optim.lr_scheduler.MultiStepLR(o, [3, 6], 0.2) for o in (plain, fused)]
+    g = torch.Generator().manual_seed(2)
+    for i in range(8):
+        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+        for model, opt in ((plain_model, plain), (fused_model, fused)):
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        for s in scheds:
+            s.step()
+        if resume and i == 3:  # a resume from the plain optimizer's checkpoint: the same state_dict, groups and all
+            # A copy, as torch.save makes: load_state_dict keeps the "step" tensors it is given, not copies of them.
+            fused.load_state_dict(copy.deepcopy(plain.state_dict()))
+    for (n, p), q in zip(plain_model.named_parameters(), fused_model.parameters()):
+        assert torch.equal(p, q), n
+        assert q.grad is None
+    a, b = plain.state_dict(), torch.optim.Optimizer.state_dict(fused)
+    assert a["param_groups"] == b["param_groups"]
+    for k, (pa, pb) in enumerate(zip(plain_model.parameters(), fused_model.parameters())):
+        assert plain.state[pa].keys() == fused.state[pb].keys()
+        for name, v in plain.state[pa].items():
+            w = fused.state[pb][name]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (k, name)
 
 
 def test_at_most_one_layers_gradient_is_alive_where_the_plain_step_holds_them_all() -> None:

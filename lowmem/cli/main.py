@@ -17,14 +17,15 @@ import time
 from lowmem.cli import plan as planner
 from lowmem.cli import models
 from lowmem.cli.models import SpecError, shape
-from lowmem.cli.profile import OPTIMIZERS, Request, account, gap_notes, measure
+from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, measure
 from lowmem.memory.accounting import MIB
 from lowmem.techniques import optimizers, sharding
 
 
 def _request(args: argparse.Namespace) -> Request:
+    # plan's --step lists the steps it combines; its Request is the plain one
     return Request(args.model, args.batch, shape(args.input) if args.input else (), args.optimizer, args.vocab, args.tokens,
-                   args.devices, args.shard)
+                   args.devices, args.shard, args.step if isinstance(args.step, str) else "plain")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -51,12 +52,12 @@ def profile_cmd(args: argparse.Namespace) -> int:
     notes = [] if req.spec.kind == "fairseq" else gap_notes(models.build(req.spec, "meta"))
     if args.json:
         print(json.dumps({**report.to_dict(), "model": req.model, "batch": req.batch, "optimizer": req.optimizer,
-                          "accounted_with_cpu_workspace_bytes": with_workspace, "known_gaps": notes,
+                          "step": req.step, "accounted_with_cpu_workspace_bytes": with_workspace, "known_gaps": notes,
                           "seconds": round(seconds, 2)}, indent=2))
         return 0
     where = "fairseq's update" if req.spec.kind == "fairseq" else "tensors without values (fake CPU tensors)"
     per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peak per device" if req.devices > 1 else ""
-    print(f"{req.model}, batch {req.batch}{per}, input {'x'.join(map(str, req.input))}, {req.optimizer}: one training step "
+    print(f"{req.model}, batch {req.batch}{per}, input {'x'.join(map(str, req.input))}, {req.optimizer}{' (stepped inside backward)' if req.step == 'fused' else ''}: one training step "
           f"accounted at full size on {where} in {seconds:.1f} s; peak {report.peak / MIB:.1f} MiB in the "
           f"{report.peak_phase} phase.\n")
     print(report.table())
@@ -71,7 +72,7 @@ def profile_cmd(args: argparse.Namespace) -> int:
 def plan_cmd(args: argparse.Namespace) -> int:
     req = _request(args)
     budget = planner.budget_bytes(args.budget)
-    levers = planner.Levers(optimizer_state=tuple(dict.fromkeys(args.optimizer_state)))
+    levers = planner.Levers(optimizer_state=tuple(dict.fromkeys(args.optimizer_state)), step=tuple(dict.fromkeys(args.step)))
     p = planner.make_plan(req, budget, time_steps=args.time, exact_only=args.exact_only, max_loss=args.max_loss,
                           levers=levers)
     fitting = int(p.rows.get("largest_fitting", p.rows.peak_bytes < 0).fillna(False).astype(bool).sum())
@@ -103,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     p.add_argument("--measure", action="store_true", help="also run the step for real on the CPU and print the gap")
+    p.add_argument("--step", choices=STEPS, default="plain",
+                   help="the optimizer's step after backward (plain), or each parameter's inside backward (fused; one device, "
+                        "no microbatches, fp32)")
     p.set_defaults(run=profile_cmd)
     q = sub.add_parser("plan", help="the combinations of levers that fit a memory budget")
     _common(q)
@@ -112,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--optimizer-state", nargs="+", choices=planner.OPTIMIZER_STATE, default=list(planner.OPTIMIZER_STATE),
                    help="the optimizer's own state (given), its 8-bit counterpart, Kahan's SGD under half-bf16 (default: all; "
                         "each costs the plan as much time again)")
+    q.add_argument("--step", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="the optimizer's step after backward (plain) and/or fused into backward (fused: the whole batch in "
+                        "fp32 on one device; no clipping by the global norm) (default: both)")
     q.add_argument("--max-loss", type=float, help="drop configurations whose measured quality loss, at the low end of its 95%% interval, exceeds this (points or BLEU)")
     q.set_defaults(run=plan_cmd)
     args = ap.parse_args(argv)

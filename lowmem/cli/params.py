@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 from lowmem.cli import crosscheck, models
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.plan import OPTIMIZER_STATE, Levers, budget_bytes
-from lowmem.cli.profile import Request
+from lowmem.cli.profile import STEPS, Request
 from lowmem.config import PROFILES, ParamError, check_choice, stage
 from lowmem.techniques import sharding
 
 MODEL_KEYS = {"name", "model", "batch", "input", "optimizer"}  # one model: a Request's fields under a display name
 # The planner's models may also say which optimizer-state settings its plan combines (lowmem.cli.plan.OPTIMIZER_STATE;
-# default: the given optimizer only, since each more setting costs the stage as much time again).
-PLAN_KEYS = {"optimizer_state"}
+# default: the given optimizer only, since each more setting costs the stage as much time again), and which steps
+# (lowmem.cli.profile.STEPS; default: the plain step only).
+PLAN_KEYS = {"optimizer_state", "step"}
 
 
 def request(m: dict) -> Request:
@@ -25,7 +26,7 @@ def request(m: dict) -> Request:
 
 def levers(m: dict) -> Levers:
     """The levers the planner's stage combines for model entry ``m``."""
-    return Levers(optimizer_state=tuple(m.get("optimizer_state", ["given"])))
+    return Levers(optimizer_state=tuple(m.get("optimizer_state", ["given"])), step=tuple(m.get("step", ["plain"])))
 
 
 @stage("planner")
@@ -60,6 +61,9 @@ class PlannerParams:
                 if not isinstance(states, list) or "given" not in states or not set(states) <= set(OPTIMIZER_STATE):
                     raise ParamError(f"{key}: {m['name']!r}: optimizer_state must list 'given' and some of "
                                      f"{list(OPTIMIZER_STATE)}, got {states!r}")
+                steps = m.get("step", ["plain"])
+                if not isinstance(steps, list) or "plain" not in steps or not set(steps) <= set(STEPS):
+                    raise ParamError(f"{key}: {m['name']!r}: step must list 'plain' and optionally 'fused', got {steps!r}")
                 try:
                     models.factory(request(m).spec)  # names a torchvision model that does not exist, before any work
                 except SpecError as e:

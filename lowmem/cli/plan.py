@@ -14,6 +14,12 @@ printed, each with how to apply it:
   the model has no BatchNorm: gradient accumulation of a mean loss), else the sum of the lossy levers' effects
   measured in this project, each labelled with the task and profile it was measured on, or ``unmeasured``.
 
+The step lever fuses the optimizer step into backward (``lowmem.techniques.fused_step``: each parameter steps, and
+its gradient is freed, as soon as its gradient is complete), exact by test (tests/test_fused_step.py). It applies
+where nothing needs every gradient first: the whole batch (no accumulation), fp32 (no loss scaler), one device.
+It lowers the peak only where the peak falls at the optimizer step (Adam's state beside every gradient, say), and
+it rules out clipping by the global norm, so the plan counts it as a cost of its own.
+
 The optimizer-state lever swaps the request's optimizer for its counterpart that keeps the same update with other
 state (``STATE``): bitsandbytes' block-wise 8-bit state (heavy-ball SGD's momentum, AdamW's moments), or, under
 16-bit weights, torch-optimi's SGD with Kahan summation (a 16-bit compensation buffer beside the momentum).
@@ -43,7 +49,7 @@ from tqdm import tqdm
 
 from lowmem.cli import models
 from lowmem.cli.models import SpecError
-from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
+from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
 from lowmem.studies.quality_model import arm_change
 from lowmem.techniques import checkpoint
@@ -91,6 +97,7 @@ class Levers:
     checkpoint: tuple[str, ...] = CHECKPOINTS
     activation_bits: tuple[int, ...] = ACTIVATION_BITS
     optimizer_state: tuple[str, ...] = OPTIMIZER_STATE
+    step: tuple[str, ...] = STEPS  # the optimizer step after backward, or fused into it
     microbatch_steps: int = MICROBATCH_STEPS
 
 
@@ -254,8 +261,13 @@ class Plan:
     timed: bool
 
 
+def fusable(req: Request, tech: Techniques) -> bool:
+    """Whether the fused step can take ``tech``'s step of ``req`` (``lowmem.techniques.fused_step.check``)."""
+    return req.devices == 1 and not tech.microbatch and tech.precision == "fp32"
+
+
 def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, state: str = "given",
-                 optimizer: str = "") -> str:
+                 optimizer: str = "", step: str = "plain") -> str:
     fields = {f.name: getattr(tech, f.name) for f in dataclasses.fields(tech)
               if f.name in ("precision", "microbatch", "checkpoint", "activation_bits")
               and getattr(tech, f.name) != getattr(Techniques(), f.name)}
@@ -264,12 +276,17 @@ def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, 
         call += f" with lowmem.cli.profile.checkpoint_chains(model, segments={segments!r})"
     if state != "given":
         call += f", optimizer {STATE[state][optimizer][1]} in place of {optimizer}"
+    if step == "fused":
+        call += ", the optimizer stepped inside backward: lowmem.techniques.fused_step.FusedOptimizer(model.parameters(), make) with make(ps) your optimizer over ps"
     return call
 
 
 def pareto(df: pd.DataFrame) -> pd.Series:
-    """True where no other row is at least as good in peak, time, quality risk and exactness, and better in one."""
-    pts = df[["peak_bytes", "time", "risk_key", "lossy"]].to_numpy(dtype=float)
+    """True where no other row is at least as good in peak, time, quality risk, exactness and freedom of the training
+    loop, and better in one (a fused step rules out gradient clipping by the global norm: a fused row stays only
+    where it lowers the peak)."""
+    fused = (df["step"] == "fused") if "step" in df else pd.Series(False, index=df.index)
+    pts = df[["peak_bytes", "time", "risk_key", "lossy"]].assign(fused=fused.astype(float)).to_numpy(dtype=float)
     return pd.Series([not any((q <= p).all() and (q < p).any() for j, q in enumerate(pts) if j != i)
                       for i, p in enumerate(pts)], index=df.index)
 
@@ -301,6 +318,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         if req.devices > 1:
             raise SpecError("lowmem plan searches a fairseq model's flags for one device; account its per-device peak "
                             "with lowmem profile fairseq:ARCH ... --devices N --shard MODE")
+        if "plain" not in levers.step:
+            raise SpecError("a fairseq architecture takes fairseq-train's own step, after backward: add --step plain")
         from lowmem.cli import plan_fairseq  # which imports this module's combine
 
         return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root, levers.optimizer_state)), budget,
@@ -316,11 +335,12 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         cache["flops"] = step_flops(req, "none")
     flops = cache["flops"]
 
-    def row(tech: Techniques, opt: str, segments: list[list[Segment]] | None = None, recompute: int = 0) -> dict[str, Any]:
-        key = (tech, opt, repr(segments))
+    def row(tech: Techniques, opt: str, step: str, segments: list[list[Segment]] | None = None, recompute: int = 0
+            ) -> dict[str, Any]:
+        key = (tech, opt, step, repr(segments))
         if key not in cache:
             b, B = tech.microbatch, req.device_batch
-            r = account(dataclasses.replace(req, optimizer=opt), tech, examples=3 * b if b and B // b > 3 else None,
+            r = account(dataclasses.replace(req, optimizer=opt, step=step), tech, examples=3 * b if b and B // b > 3 else None,
                         segments=segments)
             # Over several devices each normalizes over its own share, as a microbatch does: per-device BatchNorm
             # is the microbatch lever at the device's batch (SyncBatchNorm would be exact, and is not run here).
@@ -332,23 +352,23 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
             if per_device:
                 label = f"BatchNorm per device over {req.device_batch} examples, as microbatch={req.device_batch}: {label}"
             cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
-                          "optimizer": opt,
+                          "optimizer": opt, "step": step,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
                           "time": 1 + recompute / flops, "time_source": "estimated (FLOP ratio)",
                           "predicted_change": change, "predicted_low": low, "quality_risk": label,
-                          "how_to_apply": how_to_apply(tech, segments, state, req.optimizer), "tech": tech,
+                          "how_to_apply": how_to_apply(tech, segments, state, req.optimizer, step), "tech": tech,
                           "segments": segments}
         return cache[key]
 
-    def placed(tech: Techniques, opt: str) -> dict[str, Any]:
+    def placed(tech: Techniques, opt: str, step: str) -> dict[str, Any]:
         """The checkpoint placement that fits with the least recompute, among the DP planner's memory-recompute
         front (lowmem.techniques.checkpoint.frontier), by the accountant. The planner's model of the peak is not
         the accountant's, so the front (recompute rising, modelled peak falling) is bisected on accounted peaks:
         the least recompute that fits where accounted peaks fall along the front too (tests/test_cli.py checks every
         point of one model's front), not a proof for every model. The block costs are those of the forward pass
         in the configuration's precision, without packed activations (the accountant then counts the packing)."""
-        plain = row(tech, opt)
+        plain = row(tech, opt, step)
         if plain["peak_bytes"] <= budget:
             return plain  # nothing to place
         mb = tech.microbatch or req.device_batch
@@ -359,7 +379,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         front = [p for p in checkpoint.frontier(costs, lengths) if p[1] > 0]
 
         def at(i: int) -> dict[str, Any]:
-            return row(tech, opt, checkpoint.split(front[i][2], lengths), front[i][1] * (req.device_batch // mb))
+            return row(tech, opt, step, checkpoint.split(front[i][2], lengths), front[i][1] * (req.device_batch // mb))
 
         first = first_fitting(len(front), lambda i: at(i)["peak_bytes"] <= budget)
         return at(len(front) - 1 if first is None else first)  # if none fits, the least memory the planner reaches
@@ -368,20 +388,27 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.device_batch, levers.microbatch_steps)
-    settings = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
-    if not settings:
+    plain = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
+    if not plain:
         raise SpecError(no_state(req, levers.optimizer_state))
-    for base, planned, opt in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
+    if not set(levers.step) <= set(STEPS):
+        raise SpecError(f"step levers {levers.step} must be among {STEPS}")
+    # The fused step takes the whole batch only: its settings are the plain ones at microbatch 0 that it can take.
+    settings = [(base, planned, opt, step) for base, planned, opt in plain for step in levers.step
+                if step == "plain" or fusable(req, base)]
+    for base, planned, opt, step in tqdm(settings, desc="accounting the levers", disable=None if progress else True,
+                                         mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
 
         def fits(i: int) -> bool:
             if i not in seen:
                 tech = dataclasses.replace(base, microbatch=sizes[i])
-                seen[i] = dict(placed(tech, opt) if planned else row(tech, opt))
+                seen[i] = dict(placed(tech, opt, step) if planned else row(tech, opt, step))
                 rows.append(seen[i])
             return seen[i]["peak_bytes"] <= budget
 
-        first = first_fitting(len(sizes), fits)  # sizes[] run from the whole batch down
+        # sizes[] run from the whole batch down
+        first = first_fitting(1 if step == "fused" else len(sizes), fits)
         if first is not None:
             seen[first]["largest_fitting"] = True
     df = pd.DataFrame(rows)
@@ -390,8 +417,9 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     plan = _choose(df, budget, exact_only, max_loss)
     if time_steps:
         base_s = step_seconds(req, Techniques())
-        plan.fitting["time"] = [step_seconds(dataclasses.replace(req, optimizer=o), t, seg) / base_s
-                                for t, seg, o in zip(plan.fitting.tech, plan.fitting.segments, plan.fitting.optimizer)]
+        plan.fitting["time"] = [step_seconds(dataclasses.replace(req, optimizer=o, step=st), t, seg) / base_s
+                                for t, seg, o, st in zip(plan.fitting.tech, plan.fitting.segments, plan.fitting.optimizer,
+                                                         plan.fitting.step)]
         plan.fitting["time_source"] = "measured (CPU, against the plain step)"
         plan.timed = True
     return plan
@@ -420,6 +448,6 @@ def _choose(df: pd.DataFrame, budget: int, exact_only: bool, max_loss: float | N
 def table(plan: Plan) -> str:
     """The fitting Pareto set as Markdown."""
     t = plan.fitting.assign(peak_gib=plan.fitting.peak_bytes / 2**30)
-    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "optimizer", "recompute", "time", "time_source",
-            "quality_risk", "how_to_apply"]
-    return t[cols].round(4).to_markdown(index=False)
+    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "optimizer", "step", "recompute", "time",
+            "time_source", "quality_risk", "how_to_apply"]
+    return t[[c for c in cols if c in t]].round(4).to_markdown(index=False)

@@ -24,7 +24,7 @@ from lowmem.cli import models
 from lowmem.cli.models import Spec, SpecError
 from lowmem.memory.accounting import MemoryReport, Workspace, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
-from lowmem.techniques import optimizers, precision, sharding
+from lowmem.techniques import fused_step, optimizers, precision, sharding
 from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan
 from lowmem.techniques.step import Techniques, train_step
 
@@ -39,6 +39,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adafactor": lambda ps: torch.optim.Adafactor(ps),
     "adamw-8bit": lambda ps: optimizers.adamw8bit(ps),
 }
+STEPS = ("plain", "fused")  # the optimizer step after backward, or fused into it (torch models on one device)
 FAIRSEQ_OPTIMIZERS = {"sgd": "sgd", "sgd-momentum": "nag", "adam": "adam", "adafactor": "adafactor"}  # fairseq's names
 # Module types whose step the accountant does not count exactly, with why (README, "Your own model", has the
 # measured gaps and the command that measures them). lowmem profile names them in its output.
@@ -63,6 +64,7 @@ class Request:
     tokens: int | None = None  # fairseq: tokens per batch (--max-tokens); default batch x length
     devices: int = 1  # data-parallel devices the batch is split over (lowmem.techniques.sharding); accounted per device
     shard: str = "replicate"  # what they shard: one of lowmem.techniques.sharding.MODES
+    step: str = "plain"  # one of STEPS: the optimizer's step after backward, or fused into it (lowmem.techniques.fused_step)
 
     def __post_init__(self) -> None:
         spec = models.parse(self.model)
@@ -76,6 +78,12 @@ class Request:
             raise SpecError("a fairseq model needs --input LENGTH (tokens per sentence) and --vocab SIZE")
         if spec.kind != "fairseq" and not self.input:
             raise SpecError("give one example's shape with --input, e.g. 3x224x224 (or a length with --vocab for token ids)")
+        if self.step not in STEPS:
+            raise SpecError(f"step {self.step!r} is not one of {', '.join(STEPS)}")
+        if self.step == "fused" and (spec.kind == "fairseq" or self.devices > 1):
+            raise SpecError("the fused step (--step fused) steps each parameter inside backward on one device: "
+                            + ("fairseq-train steps after backward" if spec.kind == "fairseq" else
+                               f"over {self.devices} devices the gradients must be reduced first") + "; use --step plain")
         try:
             self.sharding.per_device(self.batch if spec.kind != "fairseq" else _tokens(self))
         except ValueError as e:
@@ -104,14 +112,17 @@ def gap_notes(model: nn.Module) -> list[str]:
             if any(isinstance(m, kind) for m in model.modules())]
 
 
-def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = sharding.Sharding(), accounting: bool = False
-                   ) -> torch.optim.Optimizer:
-    """The optimizer ``name`` over ``model``'s parameters, sharded as ``shard`` says (ZeRO-1)."""
+def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = sharding.Sharding(), accounting: bool = False,
+                   fused: bool = False) -> torch.optim.Optimizer:
+    """The optimizer ``name`` over ``model``'s parameters, sharded as ``shard`` says (ZeRO-1), or with ``fused``
+    stepped inside backward (one device)."""
     def make(params: Any) -> torch.optim.Optimizer:
         if name in OPTIMIZERS:
             return OPTIMIZERS[name](params)
         return optimizers.make(params, name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
 
+    if fused:
+        return fused_step.FusedOptimizer(model.parameters(), make)
     return sharding.optimizer(model, shard, make, accounting)
 
 
@@ -195,13 +206,18 @@ def step_of(req: Request, tech: Techniques, device: torch.device | str, examples
     """(step, model, optimizer, batch) of one training step of ``req`` under ``tech`` on ``device`` (``model``:
     already built there, in ``tech``'s precision; ``segments``: checkpoint placement, see ``checkpoint_chains``)."""
     prec = precision.parse(tech.precision)
+    if req.step == "fused":
+        try:
+            fused_step.check(tech.microbatch, tech.precision)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
     if model is None:
         model = precision.prepare(models.build(req.spec, device), prec)
     checkpoint_chains(model, tech.checkpoint, segments)
     # A float batch in the model's dtype (16-bit in half mode; autocast casts it itself in mixed mode).
     x, y = models.batch(model, req.device_batch, req.input, req.vocab, device, dtype=prec.dtype if prec.kind == "half" else torch.float32)
     model = sharding.wrap(model, req.sharding, accounting=True)
-    opt = make_optimizer(req.optimizer, model, req.sharding, accounting=True)
+    opt = make_optimizer(req.optimizer, model, req.sharding, accounting=True, fused=req.step == "fused")
     scaler = precision.make_scaler(prec, torch.device(device).type, sync=False)
 
     def step(mark: Callable[[str], None]) -> None:

@@ -60,7 +60,7 @@ def tables(p: PlannerParams, res: dict[str, pd.DataFrame]) -> dict[str, tuple[pd
     if "peak_bytes" in plans:
         plans.insert(2, "peak_gib", (plans.pop("peak_bytes") / GIB).round(3))
     keep = [c for c in ["model", "budget", "fits", "peak_gib", "precision", "checkpoint", "microbatch", "activation_bits",
-                        "optimizer", "recompute", "time", "time_source", "quality_risk", "how_to_apply"] if c in plans]
+                        "optimizer", "step", "recompute", "time", "time_source", "quality_risk", "how_to_apply"] if c in plans]
     return {
         "12_planner_breakdown": (shown_b, f"{_source(p)} One training step of each model without any lever: its peak and "
                                  "the bytes of each category at the peak, GiB (lowmem profile)."),

@@ -2,12 +2,13 @@
 gradient is complete, so the gradients of the whole model never exist at once.
 
 A lever beyond Sohoni et al. (2019), whose gradients are all alive at the optimizer step. It is PyTorch's documented
-pattern ("How to save memory by fusing the optimizer step into the backward pass": a
-``Tensor.register_post_accumulate_grad_hook`` per parameter that steps it). No library provides it for torch's SGD
-with Nesterov momentum: torch-optimi's gradient release has SGD without Nesterov, which would change the recipe.
-So this subclasses ``torch.optim.SGD``: the same ``param_groups`` (an LR scheduler drives it as it drives SGD), the
-same ``state`` and ``state_dict`` (``momentum_buffer`` per parameter), and the same update, taken by SGD's own
-functional ``torch.optim.sgd.sgd`` on one parameter at a time. ``step()`` then has nothing left to do.
+pattern ("How to save memory by fusing the optimizer step into the backward pass": one optimizer per parameter,
+stepped by a ``Tensor.register_post_accumulate_grad_hook``), for any optimizer that updates each parameter on its
+own: torch's SGD (with the recipe's Nesterov momentum) and AdamW, bitsandbytes' 8-bit ones. No library wraps that
+pattern as an optimizer (torch-optimi's gradient release has SGD without Nesterov, which would change the recipe), so
+``FusedOptimizer`` does, and keeps what a training loop relies on: the ``param_groups`` as the plain optimizer's (an
+LR scheduler drives them; each update copies its group's settings into the parameter's own optimizer), one shared
+``state`` (so ``state_dict`` is the plain optimizer's too), and ``step()``, which has nothing left to do.
 
 Where it cannot work, it refuses (``check``):
 - gradient accumulation (microbatching): the hook would step after every microbatch, on a partial gradient;
@@ -18,11 +19,11 @@ Where it cannot work, it refuses (``check``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.sgd import sgd
 
 from lowmem.memory.accounting import gradient_ready
 
@@ -37,35 +38,38 @@ def check(microbatch: int, precision: str) -> None:
                          "gradients are not finite, which is known only once all of them exist; use precision='fp32'")
 
 
-class FusedSGD(torch.optim.SGD):
-    """``torch.optim.SGD`` whose update of each parameter runs inside backward (``momentum``, ``nesterov``,
-    ``dampening``, ``weight_decay`` and ``maximize`` as SGD's); its gradients are freed as they are used."""
+class FusedOptimizer(torch.optim.Optimizer):
+    """The optimizer ``make(params)`` over ``params``, with each parameter's update run inside backward by its own
+    ``make([p])``; its gradients are freed as they are used."""
 
-    def __init__(self, params: Any, **kwargs: Any) -> None:
-        self._handles: list[Any] = []
+    def __init__(self, params: Any, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        self._make = make
+        self._inner: dict[torch.Tensor, torch.optim.Optimizer] = {}
         self._group: dict[torch.Tensor, int] = {}  # parameter -> index of its group, read anew at every update
-        super().__init__(params, **kwargs)  # calls add_param_group, which hooks each group's parameters
+        self._handles: list[Any] = []
+        # The plain optimizer's defaults, so that every group gets the settings it would have had there.
+        defaults = make([torch.zeros(1, requires_grad=True)]).defaults
+        super().__init__(params, defaults)  # calls add_param_group, which hooks each group's parameters
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if group["differentiable"]:
-            raise ValueError("FusedSGD cannot be differentiable: each update runs in a backward hook")
+        if group.get("differentiable"):
+            raise ValueError("a fused optimizer cannot be differentiable: each update runs in a backward hook")
         for p in group["params"]:
             if p.requires_grad:  # a frozen parameter has no gradient, and PyTorch refuses to hook it
+                self._inner[p] = self._make([p])
                 self._group[p] = len(self.param_groups) - 1
                 self._handles.append(p.register_post_accumulate_grad_hook(self._step_one))
 
-    @torch.no_grad()
     def _step_one(self, p: torch.Tensor) -> None:
         gradient_ready(p)  # the accountant's only chance to see this tensor as a gradient: it is freed below
-        # By index, not by the dict itself: load_state_dict replaces the group dicts, and a scheduler drives the new ones.
-        g = self.param_groups[self._group[p]]
-        buf = [self.state[p].get("momentum_buffer") if g["momentum"] != 0 else None]
-        sgd([p], [p.grad], buf, weight_decay=g["weight_decay"], momentum=g["momentum"], lr=g["lr"],
-            dampening=g["dampening"], nesterov=g["nesterov"], maximize=g["maximize"], foreach=False)
-        if g["momentum"] != 0:
-            self.state[p]["momentum_buffer"] = buf[0]
+        # By index, not by the dict itself: load_state_dict replaces the group dicts and the state, and a scheduler
+        # drives the new ones.
+        inner = self._inner[p]
+        inner.param_groups[0].update({k: v for k, v in self.param_groups[self._group[p]].items() if k != "params"})
+        inner.state = self.state
+        inner.step()
         p.grad = None
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -78,6 +82,6 @@ class FusedSGD(torch.optim.SGD):
             h.remove()
 
 
-def fused_sgd(model: nn.Module, **kwargs: Any) -> FusedSGD:
-    """``FusedSGD`` over ``model``'s parameters, with SGD's keyword arguments."""
-    return FusedSGD(model.parameters(), **kwargs)
+def fused_sgd(model: nn.Module, **kwargs: Any) -> FusedOptimizer:
+    """``torch.optim.SGD`` over ``model``'s parameters, with SGD's keyword arguments, fused into backward."""
+    return FusedOptimizer(model.parameters(), lambda ps: torch.optim.SGD(ps, **kwargs))
