@@ -140,7 +140,7 @@ def test_the_planned_placement_is_the_least_recompute_that_fits():
     least = min(profile.account(req, segments=checkpoint.split(s, lengths)).peak for _, _, s in front)
     budget = (plain + least) // 2
     levers = plan.Levers(precision=("fp32",), checkpoint=("planned",), activation_bits=(0,), optimizer_state=("given",),
-                         microbatch_steps=1)
+                         step=("plain",), microbatch_steps=1)
     p = plan.make_plan(req, budget, progress=False, levers=levers)
     (row,) = p.fitting.itertuples()
     assert row.checkpoint == "planned" and row.peak_bytes <= budget
@@ -221,6 +221,9 @@ def test_the_plan_fuses_the_step_where_it_lowers_the_peak_and_only_where_it_can_
     rows = plan.make_plan(batch4, 2**40, progress=False, levers=levers).rows
     assert set(rows.step) == {"plain", "fused"}
     assert set(rows[rows.step == "fused"].precision) == {"fp32"} and set(rows[rows.step == "fused"].microbatch) == {4}
+    assert plan.fusable(batch4, Techniques()) and not plan.fusable(batch4, Techniques(microbatch=2))
+    assert not plan.fusable(batch4, Techniques(precision="mixed-bf16"))
+    assert not plan.fusable(dataclasses.replace(batch4, devices=2), Techniques())
     # At a budget the plain step meets at its peak, the fused row with the same peak is dominated (it rules out
     # clipping by the global norm), and one with a lower peak stays.
     rows = pd.DataFrame({"peak_bytes": [100, 100, 90], "time": 1.0, "risk_key": 0.0, "lossy": 0.0,
@@ -250,6 +253,8 @@ def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
     (["profile", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--devices", "2", "--step", "fused"], "over 2 devices"),
     (["plan", "fairseq:lightconv_iwslt_de_en", "--batch", "4", "--input", "16", "--vocab", "100", "--budget", "1GiB",
       "--step", "fused"], "add --step plain"),
+    (["plan", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--devices", "2", "--budget", "1GiB", "--step", "fused"],
+     "the fused step needs one device"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, says, capsys):
     assert main.main(argv) == 2

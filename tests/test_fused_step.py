@@ -71,13 +71,14 @@ def _groups(model: nn.Module) -> list[dict]:
     return [{"params": decay}, {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
 
 
-@pytest.mark.parametrize("make,resume", [
-    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05), True),
+@pytest.mark.parametrize("make,resume_from", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.05), "plain"),
     # bitsandbytes' state_dict wraps its 8-bit state in a format of its own (for FSDP), which torch's
-    # Optimizer.load_state_dict does not read: a fused 8-bit optimizer is not resumed from a plain one's checkpoint.
-    (lambda ps: __import__("bitsandbytes").optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.05, min_8bit_size=256), False),
+    # Optimizer.load_state_dict does not read: a fused 8-bit optimizer resumes from its own checkpoint, not from a
+    # plain one's. Its uint8 codes must come back as uint8, or bitsandbytes would read them as 32-bit moments.
+    (lambda ps: __import__("bitsandbytes").optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.05, min_8bit_size=256), "own"),
 ], ids=["adamw", "bnb-adamw8bit"])
-def test_any_per_parameter_optimizer_fused_equals_its_plain_step_and_loads_its_state(make, resume: bool) -> None:
+def test_any_per_parameter_optimizer_fused_equals_its_plain_step_after_a_resume(make, resume_from: str) -> None:
     plain_model, fused_model = _pair()
     plain = make(_groups(plain_model))
     fused = fused_step.FusedOptimizer(_groups(fused_model), make)
@@ -91,13 +92,13 @@ def test_any_per_parameter_optimizer_fused_equals_its_plain_step_and_loads_its_s
             opt.step()
         for s in scheds:
             s.step()
-        if resume and i == 3:  # a resume from the plain optimizer's checkpoint: the same state_dict, groups and all
+        if i == 3:  # a resume; from the plain optimizer's checkpoint, its state_dict is the same, groups and all
             # A copy, as torch.save makes: load_state_dict keeps the "step" tensors it is given, not copies of them.
-            fused.load_state_dict(copy.deepcopy(plain.state_dict()))
+            fused.load_state_dict(copy.deepcopy((plain if resume_from == "plain" else fused).state_dict()))
     for (n, p), q in zip(plain_model.named_parameters(), fused_model.parameters()):
         assert torch.equal(p, q), n
         assert q.grad is None
-    a, b = plain.state_dict(), torch.optim.Optimizer.state_dict(fused)
+    a, b = plain.state_dict(), fused.state_dict()
     assert a["param_groups"] == b["param_groups"]
     for k, (pa, pb) in enumerate(zip(plain_model.parameters(), fused_model.parameters())):
         assert plain.state[pa].keys() == fused.state[pb].keys()
@@ -123,6 +124,16 @@ def test_at_most_one_layers_gradient_is_alive_where_the_plain_step_holds_them_al
     assert plain.category_max["gradients"] == sum(weights)
     assert fused.category_max["gradients"] == max(weights)
     assert fused.category_max["optimizer"] == plain.category_max["optimizer"] == sum(weights)  # momentum
+
+
+def test_a_parameter_unfrozen_after_the_optimizer_was_built_is_not_left_unupdated() -> None:
+    m = nn.Linear(4, 2)
+    m.bias.requires_grad_(False)
+    opt = fused_step.FusedOptimizer(m.parameters(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    m.bias.requires_grad_(True)
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="frozen when the fused optimizer was built"):
+        opt.step()
 
 
 def test_refuses_microbatching_and_loss_scaling_before_any_compute() -> None:

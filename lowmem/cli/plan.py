@@ -1,14 +1,16 @@
 """``lowmem plan``: which combinations of levers fit a memory budget for any model, and what each costs.
 
-For every combination of precision x checkpointing x activation bits x optimizer state, the largest microbatch whose step fits the
-budget is found by bisection over batch/1, batch/2, ... (the peak falls with the microbatch), each step accounted at
-full size on tensors without values (``lowmem.cli.profile``). Of those that fit, the Pareto set over three costs is
-printed, each with how to apply it:
+For every combination of precision x checkpointing x activation bits x optimizer state x step (plain or fused), the
+largest microbatch whose step fits the budget is found by bisection over batch/1, batch/2, ... (the peak falls with
+the microbatch; the fused step takes the whole batch only), each step accounted at full size on tensors without
+values (``lowmem.cli.profile``). Of those that fit, the Pareto set is printed, each with how to apply it, over these
+costs, and over being lossy at all and being fused (``pareto``):
 
 - **peak bytes**, accounted;
 - **recompute**: the forward FLOPs that checkpointing runs again, counted by ``torch.utils.flop_counter`` on meta,
   as a fraction of the plain step's FLOPs; the **time** column is that FLOP ratio (an estimate, labelled so: it
-  leaves out microbatching's smaller kernels and packing's passes), or with ``--time`` the measured seconds per
+  leaves out microbatching's smaller kernels, packing's passes, and the fused step's one optimizer call per
+  parameter in place of torch's multi-tensor kernels), or with ``--time`` the measured seconds per
   step against the plain step's on this machine;
 - **quality risk**: ``exact`` for levers proven exact (checkpointing: tests/test_checkpoint.py; microbatching when
   the model has no BatchNorm: gradient accumulation of a mean loss), else the sum of the lossy levers' effects
@@ -52,7 +54,7 @@ from lowmem.cli.models import SpecError
 from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
 from lowmem.studies.quality_model import arm_change
-from lowmem.techniques import checkpoint
+from lowmem.techniques import checkpoint, fused_step
 from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
 
@@ -262,8 +264,12 @@ class Plan:
 
 
 def fusable(req: Request, tech: Techniques) -> bool:
-    """Whether the fused step can take ``tech``'s step of ``req`` (``lowmem.techniques.fused_step.check``)."""
-    return req.devices == 1 and not tech.microbatch and tech.precision == "fp32"
+    """Whether the fused step can take ``tech``'s step of ``req``: one device, and ``fused_step.check``'s rules."""
+    try:
+        fused_step.check(tech.microbatch, tech.precision)
+    except ValueError:
+        return False
+    return req.devices == 1
 
 
 def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, state: str = "given",
@@ -324,6 +330,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
 
         return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root, levers.optimizer_state)), budget,
                        exact_only, max_loss)
+    req = dataclasses.replace(req, step="plain")  # the reference step; the step lever says which steps are tried
     cache = {} if cache is None else cache
     if cache.setdefault("for", (req, root)) != (req, root):
         raise ValueError(f"this cache holds the accounts of {cache['for'][0]}, not of {req}")
@@ -355,7 +362,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                           "optimizer": opt, "step": step,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
-                          "time": 1 + recompute / flops, "time_source": "estimated (FLOP ratio)",
+                          "time": 1 + recompute / flops,
+                          "time_source": "estimated (FLOP ratio" + ("; not the fused step's per-parameter calls)" if step == "fused" else ")"),
                           "predicted_change": change, "predicted_low": low, "quality_risk": label,
                           "how_to_apply": how_to_apply(tech, segments, state, req.optimizer, step), "tech": tech,
                           "segments": segments}
@@ -388,14 +396,17 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.device_batch, levers.microbatch_steps)
-    plain = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
-    if not plain:
+    bases = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
+    if not bases:
         raise SpecError(no_state(req, levers.optimizer_state))
     if not set(levers.step) <= set(STEPS):
         raise SpecError(f"step levers {levers.step} must be among {STEPS}")
     # The fused step takes the whole batch only: its settings are the plain ones at microbatch 0 that it can take.
-    settings = [(base, planned, opt, step) for base, planned, opt in plain for step in levers.step
+    settings = [(base, planned, opt, step) for base, planned, opt in bases for step in levers.step
                 if step == "plain" or fusable(req, base)]
+    if not settings:
+        raise SpecError(f"--step {' '.join(levers.step)}: the fused step needs one device and an fp32 setting "
+                        "at the whole batch; add --step plain")
     for base, planned, opt, step in tqdm(settings, desc="accounting the levers", disable=None if progress else True,
                                          mininterval=5):
         seen: dict[int, dict[str, Any]] = {}
@@ -407,7 +418,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                 rows.append(seen[i])
             return seen[i]["peak_bytes"] <= budget
 
-        # sizes[] run from the whole batch down
+        # sizes[] run from the whole batch down; a fused step cannot accumulate microbatches, so it has only the first
         first = first_fitting(1 if step == "fused" else len(sizes), fits)
         if first is not None:
             seen[first]["largest_fitting"] = True

@@ -59,8 +59,11 @@ def tables(p: PlannerParams, res: dict[str, pd.DataFrame]) -> dict[str, tuple[pd
     plans = res["plans"].copy()
     if "peak_bytes" in plans:
         plans.insert(2, "peak_gib", (plans.pop("peak_bytes") / GIB).round(3))
+    # The step column only where a model's plan tried the fused step (planner.models' "step"); else it says "plain" alone.
+    fused = "step" in plans and (plans["step"] == "fused").any()
     keep = [c for c in ["model", "budget", "fits", "peak_gib", "precision", "checkpoint", "microbatch", "activation_bits",
-                        "optimizer", "step", "recompute", "time", "time_source", "quality_risk", "how_to_apply"] if c in plans]
+                        "optimizer", "step", "recompute", "time", "time_source", "quality_risk", "how_to_apply"]
+            if c in plans and (c != "step" or fused)]
     return {
         "12_planner_breakdown": (shown_b, f"{_source(p)} One training step of each model without any lever: its peak and "
                                  "the bytes of each category at the peak, GiB (lowmem profile)."),

@@ -10,11 +10,17 @@ pattern as an optimizer (torch-optimi's gradient release has SGD without Nestero
 LR scheduler drives them; each update copies its group's settings into the parameter's own optimizer), one shared
 ``state`` (so ``state_dict`` is the plain optimizer's too), and ``step()``, which has nothing left to do.
 
-Where it cannot work, it refuses (``check``):
+Where it cannot work, ``check`` refuses before any compute:
 - gradient accumulation (microbatching): the hook would step after every microbatch, on a partial gradient;
 - loss scaling (the 16-bit modes): a step whose gradients are not finite must be skipped, and that is known only
-  once every gradient exists;
-- gradient clipping by the global norm, or any optimizer that needs every gradient first: the same reason.
+  once every gradient exists.
+For the same reason it cannot serve gradient clipping by the global norm, or any optimizer that needs every
+gradient first; a training loop that clips after backward finds no gradients left, which no hook can detect, so
+that is the caller's to avoid. A parameter frozen when the optimizer was built has no hook: if it later gets a
+gradient, ``step()`` raises rather than leave it unupdated.
+
+Each parameter's optimizer sees its parameter as the first of its only group, so bitsandbytes' per-parameter
+overrides (``GlobalOptimManager``), keyed by group and position, do not carry over.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ def check(microbatch: int, precision: str) -> None:
     """Raises ValueError where the fused step cannot give the plain step's update."""
     if microbatch:
         raise ValueError(f"fused_step cannot run with microbatch={microbatch}: it would step on each microbatch's "
-                         "partial gradient; use microbatch=0, or fused_step=False to accumulate")
+                         "partial gradient; use microbatch=0, or the plain step (--step plain) to accumulate")
     if precision != "fp32":
         raise ValueError(f"fused_step cannot run with precision={precision!r}: its loss scaler skips a step whose "
                          "gradients are not finite, which is known only once all of them exist; use precision='fp32'")
@@ -74,7 +80,22 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Every update already ran in backward; a closure is still called, for its loss."""
-        return closure() if closure is not None else None
+        loss = closure() if closure is not None else None
+        left = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if left:
+            raise RuntimeError(f"{len(left)} parameter(s) have a gradient that no backward hook stepped: they were frozen "
+                               "when the fused optimizer was built; build it again after unfreezing them")
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # torch casts every state tensor but "step" to its parameter's floating dtype, which would turn bitsandbytes'
+        # uint8 codes into floats that it then reads as 32-bit moments: restore the dtypes that were saved.
+        saved = {(i, k): v.dtype for i, st in state_dict["state"].items() for k, v in st.items()
+                 if isinstance(v, torch.Tensor) and not v.is_floating_point()}
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for (i, k), dtype in saved.items():
+            self.state[params[i]][k] = self.state[params[i]][k].to(dtype)
 
     def remove(self) -> None:
         """Unhooks the parameters (a model then trains with a plain optimizer again)."""
