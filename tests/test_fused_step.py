@@ -2,6 +2,7 @@
 steps under an LR schedule, gradients that never all exist at once, and refusals where it cannot work."""
 
 import copy
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,19 +24,26 @@ def _pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
     return a, b
 
 
-def test_parameters_equal_plain_sgd_bit_for_bit_after_many_steps_under_a_schedule() -> None:
-    plain_model, fused_model = _pair()
-    plain, fused = torch.optim.SGD(plain_model.parameters(), **SGD), fused_step.fused_sgd(fused_model, **SGD)
-    scheds = [torch.optim.lr_scheduler.MultiStepLR(o, [3, 6], 0.2) for o in (plain, fused)]
-    g = torch.Generator().manual_seed(1)
-    for _ in range(8):
+def _train_side_by_side(pairs: list[tuple[nn.Module, torch.optim.Optimizer]], seed: int,
+                        after_step: Callable[[int], None] = lambda i: None) -> None:
+    """8 steps of each (model, optimizer) on the same batches, under the same LR schedule (drops at steps 3 and 6)."""
+    scheds = [torch.optim.lr_scheduler.MultiStepLR(o, [3, 6], 0.2) for _, o in pairs]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(8):
         x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-        for model, opt in ((plain_model, plain), (fused_model, fused)):
+        for model, opt in pairs:
             opt.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             opt.step()
         for s in scheds:
             s.step()
+        after_step(i)
+
+
+def test_parameters_equal_plain_sgd_bit_for_bit_after_many_steps_under_a_schedule() -> None:
+    plain_model, fused_model = _pair()
+    plain, fused = torch.optim.SGD(plain_model.parameters(), **SGD), fused_step.fused_sgd(fused_model, **SGD)
+    _train_side_by_side([(plain_model, plain), (fused_model, fused)], seed=1)
     for (n, p), q in zip(plain_model.named_parameters(), fused_model.parameters()):
         assert torch.equal(p, q), n
         assert q.grad is None  # freed in backward
@@ -82,19 +90,13 @@ def test_any_per_parameter_optimizer_fused_equals_its_plain_step_after_a_resume(
     plain_model, fused_model = _pair()
     plain = make(_groups(plain_model))
     fused = fused_step.FusedOptimizer(_groups(fused_model), make)
-    scheds = [torch.optim.lr_scheduler.MultiStepLR(o, [3, 6], 0.2) for o in (plain, fused)]
-    g = torch.Generator().manual_seed(2)
-    for i in range(8):
-        x, y = torch.randn(8, 3, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
-        for model, opt in ((plain_model, plain), (fused_model, fused)):
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        for s in scheds:
-            s.step()
-        if i == 3:  # a resume; from the plain optimizer's checkpoint, its state_dict is the same, groups and all
+
+    def resume(i: int) -> None:
+        if i == 3:  # from the plain optimizer's checkpoint, its state_dict is the same, groups and all
             # A copy, as torch.save makes: load_state_dict keeps the "step" tensors it is given, not copies of them.
             fused.load_state_dict(copy.deepcopy((plain if resume_from == "plain" else fused).state_dict()))
+
+    _train_side_by_side([(plain_model, plain), (fused_model, fused)], seed=2, after_step=resume)
     for (n, p), q in zip(plain_model.named_parameters(), fused_model.parameters()):
         assert torch.equal(p, q), n
         assert q.grad is None
