@@ -264,12 +264,14 @@ class Plan:
 
 
 def fusable(req: Request, tech: Techniques) -> bool:
-    """Whether the fused step can take ``tech``'s step of ``req``: one device, and ``fused_step.check``'s rules."""
+    """Whether the fused step can take ``tech``'s step of ``req``, by the same rules that refuse it in ``lowmem
+    profile``: ``Request``'s (one device, a torch model) and ``fused_step.check``'s (whole batch, fp32)."""
     try:
+        dataclasses.replace(req, step="fused")
         fused_step.check(tech.microbatch, tech.precision)
-    except ValueError:
+    except (SpecError, ValueError):
         return False
-    return req.devices == 1
+    return True
 
 
 def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, state: str = "given",

