@@ -191,6 +191,8 @@ def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combinatio
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["base"]["profile"] = profile
     p = combinations.resolve_task(task, params)
+    if task == "wrn" and "activation_bits" not in kw:  # the paper's four dimensions, unless a test adds the fifth
+        kw["activation_bits"] = [0]
     for k, v in kw.items():
         setattr(p, k, v)
     return p
@@ -203,6 +205,12 @@ def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
     names = [combinations.name(p, c) for c in g]
     assert len(set(names)) == len(names)
     assert "sparsity-0.5+half-bf16+microbatch-2+checkpoint-sqrt" in names
+    # WRN's fifth dimension, a lever beyond the paper: every combination again with each bit width
+    wide = combinations.grid(small(sparsity=[0, 0.5, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2],
+                                   checkpoint=["none", "sqrt"], activation_bits=[0, 8, 2]))
+    assert len(wide) == 3 * len(g) and [c for c in wide if "activation_bits" not in c] == g
+    assert combinations.name(p, {"microbatch": 8, "checkpoint": "block", "activation_bits": 2}) == \
+        "microbatch-8+checkpoint-block+activations-2"  # named as stage levers_train's arm
     d = small("dynamicconv")
     assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
         "--sparsity", "0.9", "--sparse-method", "static", "--fp16", "--update-freq", "4",
@@ -311,7 +319,7 @@ def _search_grid() -> tuple[combinations.CombinationsParams, pd.DataFrame]:
         red = (1.5 if cfg.get("sparsity") else 1) * (2 if cfg.get("precision") else 1) * \
             {0: 1, 8: 8, 2: 20}[cfg.get("microbatch", 0)] * (1.6 if cfg.get("checkpoint") else 1)
         rows.append({"name": combinations.name(p, cfg), "config": json.dumps(cfg), "reduction": red,
-                     "time_ratio": 1.0 + 0.3 * bool(cfg.get("checkpoint")), **{d: cfg.get(d, getattr(p, d)[0]) for d in combinations.DIMS}})
+                     "time_ratio": 1.0 + 0.3 * bool(cfg.get("checkpoint")), **{d: cfg.get(d, getattr(p, d)[0]) for d in quality_model.dims(p.task)}})
     return p, pd.DataFrame(rows)
 
 

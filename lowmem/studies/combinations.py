@@ -46,8 +46,8 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import BEYOND_PAPER_DYNAMICCONV, DIMS, EXACT, paired_change, predict, selection
-from lowmem.techniques import precision
+from lowmem.studies.quality_model import BEYOND_PAPER_DYNAMICCONV, EXACT, dims, paired_change, predict, selection
+from lowmem.techniques import compress, precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
 from lowmem.wrn.params import BaselineParams
@@ -56,7 +56,7 @@ from lowmem.wrn.step import wrn_model
 from lowmem.wrn.train import Techniques, store_run, summarize, train, train_step
 
 TASKS = ("wrn", "dynamicconv")
-# DIMS and EXACT: lowmem.studies.quality_model, which the frontier reads without this module's imports.
+# The grid's dimensions (dims) and EXACT: lowmem.studies.quality_model, which the frontier reads without this module's imports.
 
 
 @dataclass
@@ -71,6 +71,8 @@ class CombinationsParams:
     precision: list[str] = field(default_factory=lambda: ["fp32", "half-bf16"])
     microbatch: list[int] = field(default_factory=lambda: [0, 8])  # WRN: examples per pass, 0 = whole batch; DynamicConv: --update-freq
     checkpoint: list[str] = field(default_factory=lambda: ["none", "sqrt"])  # WRN strategies; DynamicConv: none or layers
+    # WRN, beyond the paper: bits of each activation saved for backward (lowmem.techniques.compress), 0 = as computed
+    activation_bits: list[int] = field(default_factory=lambda: [0])
     singles: list[dict[str, Any]] = field(default_factory=list)  # single-technique points always trained, e.g. {sparsity: 0.9}
     levels: list[float] = field(default_factory=lambda: [4.0])  # memory reductions (x) at which one combination is trained
     trained_elsewhere: list[str] = field(default_factory=list)  # DynamicConv: configurations whose runs come from stage 08
@@ -93,16 +95,25 @@ class CombinationsParams:
             raise ParamError(f"task={self.task!r} is not one of {', '.join(TASKS)}")
         if self.profile not in PROFILES:
             raise ParamError(f"base.profile={self.profile!r} is not allowed; use one of: {', '.join(PROFILES)}")
-        for name in ("sparsity", "precision", "microbatch", "checkpoint"):
+        for name in dims(self.task):
             values = getattr(self, name)
             if not isinstance(values, list) or not values:
                 raise ParamError(f"combinations_{self.task}.{name} must be a non-empty list, got {values!r}")
         for cfg in self.singles:
-            if not isinstance(cfg, dict) or len(cfg) != 1 or set(cfg) - set(DIMS):
-                raise ParamError(f"combinations_{self.task}.singles: each is one technique's setting, {{name: value}} with a name among {DIMS}; got {cfg!r}")
-        if self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1) or self.checkpoint[0] != "none":
+            if not isinstance(cfg, dict) or len(cfg) != 1 or set(cfg) - set(dims(self.task)):
+                raise ParamError(f"combinations_{self.task}.singles: each is one technique's setting, {{name: value}} with a name among {dims(self.task)}; got {cfg!r}")
+        if self.task == "dynamicconv" and self.activation_bits != [0]:
+            raise ParamError(f"combinations_dynamicconv.activation_bits={self.activation_bits!r}: the fairseq plugin does not "
+                             "compress activations; leave it out (WRN's grid only)")
+        bad = [b for b in self.activation_bits if b != 0 and b not in compress.BITS]
+        if bad:
+            raise ParamError(f"combinations_{self.task}.activation_bits: {bad} not allowed; use 0 (off) or one of "
+                             f"{', '.join(map(str, compress.BITS))}")
+        if (self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1)
+                or self.checkpoint[0] != "none" or self.activation_bits[0] != 0):
             raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (0, fp32, "
-                             f"{'0' if self.task == 'wrn' else '1'}, none): the baseline is the first combination")
+                             f"{'0' if self.task == 'wrn' else '1'}, none{', 0' if self.task == 'wrn' else ''}): the "
+                             "baseline is the first combination")
         if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
             raise ParamError(f"combinations_{self.task}.levels must be increasing reductions above 1, got {self.levels!r}")
         if not self.train_seeds or not all(isinstance(s, int) for s in self.train_seeds):
@@ -143,10 +154,10 @@ def accountable(p: CombinationsParams, cfg: dict[str, Any]) -> bool:
 def grid(p: CombinationsParams) -> list[dict[str, Any]]:
     """Every accountable combination of the four lists, the baseline first; only a technique that is on appears in
     a config."""
-    off = {d: getattr(p, d)[0] for d in DIMS}
+    off = {d: getattr(p, d)[0] for d in dims(p.task)}
     out = []
-    for values in itertools.product(*(getattr(p, d) for d in DIMS)):
-        cfg = {d: v for d, v in zip(DIMS, values) if v != off[d]}
+    for values in itertools.product(*(getattr(p, d) for d in dims(p.task))):
+        cfg = {d: v for d, v in zip(dims(p.task), values) if v != off[d]}
         if accountable(p, cfg):
             out.append(cfg)
     return out
@@ -165,6 +176,8 @@ def name(p: CombinationsParams, cfg: dict[str, Any]) -> str:
         parts.append(f"microbatch-{cfg['microbatch']}" if p.task == "wrn" else f"update-freq-{cfg['microbatch']}")
     if "checkpoint" in cfg:
         parts.append(f"checkpoint-{cfg['checkpoint']}" if p.task == "wrn" else "checkpoint")
+    if "activation_bits" in cfg:  # named as stage levers_train's arms
+        parts.append(f"activations-{cfg['activation_bits']}")
     return "+".join(parts)
 
 
@@ -277,7 +290,8 @@ def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: in
     if trained_batch is not None and b >= trained_batch:
         b = 0
     return Techniques(sparsity=cfg.get("sparsity", 0.0), precision=cfg.get("precision", "fp32"), microbatch=b,
-                      checkpoint=cfg.get("checkpoint", "none"), sparse_format=p.sparse_format,
+                      checkpoint=cfg.get("checkpoint", "none"), activation_bits=cfg.get("activation_bits", 0),
+                      sparse_format=p.sparse_format,
                       dsr_periods=tuple(p.dsr.get("dsr_periods", (100, 200, 400, 800))),
                       dsr_reallocate=p.dsr.get("dsr_reallocate", 20000))
 
@@ -420,7 +434,7 @@ def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, l
         by_name = mem.set_index("technique")
     for cfg in tqdm(configs, desc=f"accounting {p.task} combinations", disable=not progress, mininterval=10):
         n = name(p, cfg)
-        full = {d: cfg.get(d, getattr(p, d)[0]) for d in DIMS}
+        full = {d: cfg.get(d, getattr(p, d)[0]) for d in dims(p.task)}
         row: dict[str, Any] = {"name": n, **full, "config": json.dumps(cfg), "techniques": len(cfg), "mildness": mildness(p, cfg)}
         if p.task == "wrn":
             row |= wrn_memory_row(p, cfg)

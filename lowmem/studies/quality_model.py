@@ -14,7 +14,10 @@ import pandas as pd
 
 from lowmem.studies import quality
 
-DIMS = ("sparsity", "precision", "microbatch", "checkpoint")
+DIMS = ("sparsity", "precision", "microbatch", "checkpoint")  # the paper's four levers, the dimensions of both grids
+# WRN's grid has one more dimension, a lever beyond the paper: the bits each activation saved for backward is stored
+# in (lowmem.techniques.compress; 0 = as computed). DynamicConv's plugin does not compress activations.
+DIMS_OF = {"wrn": DIMS + ("activation_bits",), "dynamicconv": DIMS}
 # Levers whose step equals the plain step (bitwise), by the named test: their expected quality effect is zero, and a
 # combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
 # a combination is that very run (lowmem.wrn.train.run_techniques).
@@ -28,6 +31,11 @@ BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
 # DynamicConv's levers beyond the paper: settings of the grid's precision dimension (what the training state is
 # stored in), named as stage 08's techniques.
 BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit",)
+
+
+def dims(task: str) -> tuple[str, ...]:
+    """The dimensions of ``task``'s combination grid (``DIMS_OF``)."""
+    return DIMS_OF[task]
 
 
 def beyond_paper(techniques: dict[str, Any]) -> bool:
@@ -52,7 +60,9 @@ def arm_change(res: dict[str, Any], arm: str, against: str) -> quality.Paired:
 
 def predict(memory: pd.DataFrame, effects: dict[tuple[str, Any], quality.Paired]) -> pd.Series:
     """Each combination's predicted quality change: the sum of its lossy levers' effects alone (exact levers add
-    zero, by ``EXACT``'s tests). NaN where a lever's effect is unknown (its setting was not trained alone)."""
+    zero, by ``EXACT``'s tests). NaN where a lever's effect is unknown (its setting was not trained alone).
+    Checkpointing adds zero with compressed activations too, where it is not exact (a recomputed segment's tensors are
+    kept as computed, its inputs packed): the model's assumption there, which the trained picks test."""
     out = []
     for cfg in memory.config:
         total = 0.0
