@@ -349,7 +349,7 @@ def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True)
     final = [train(base, seed, tech, progress=progress)[-1] for seed in p.train_seeds]
     s = summarize(final)
     return {"runs": [{"key": r.key, "seed": seed, "trained": t} for r, seed, t in zip(store, p.train_seeds, fresh)],
-            "model": base.model, "data": final[0]["data"], "epochs": base.epochs, "batch_size": base.batch_size,
+            "machine": quality.machine(), "model": base.model, "data": final[0]["data"], "epochs": base.epochs, "batch_size": base.batch_size,
             "trained_microbatch": tech.microbatch, "per_seed_acc": [r["test_acc"] for r in final],
             **{k: s[k] for k in ("seeds", "test_acc_mean", "test_acc_std", "images_per_s", "step_s")}}
 
