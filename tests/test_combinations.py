@@ -376,11 +376,53 @@ def test_a_dynamicconv_checkpoint_twin_carries_its_run_only_in_a_tested_precisio
             ("b", 0, "fp16", 4, "none", -0.2), ("b+ckpt", 0, "fp16", 4, "layers", None), ("c+ckpt", 0.5, "all-bf16", 16, "layers", None)]
     df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "quality_change"])
     df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 1.0, ""
-    frontier._exact_fill(df, quality_model.EXACT_DYNAMICCONV, quality_model.EXACT_DYNAMICCONV_PRECISIONS)
+    frontier._exact_fill(df, "dynamicconv", quality_model.EXACT_DYNAMICCONV, quality_model.EXACT_DYNAMICCONV_PRECISIONS)
     by = df.set_index("name")
     assert by.loc["a+ckpt", ["quality_change", "quality_low", "quality_high"]].tolist() == [-1.5, -2.5, -0.5]
     assert by.loc["a+ckpt", "quality_from"].startswith("exact, by test tests/test_translation_techniques.py::")
     assert by.loc[["b+ckpt", "c+ckpt"], "quality_change"].isna().all()  # fp16 is not covered; c has no trained twin
+
+
+def test_a_wrn_checkpoint_twin_carries_its_run_only_without_compressed_activations() -> None:
+    """With activations packed, checkpointing is not exact (a segment's recomputed tensors stay unpacked), so a
+    compressed row neither takes nor gives a twin's quality."""
+    rows = [("m8", 0, "fp32", 8, "none", 0, -0.1), ("m8+ckpt", 0, "fp32", 8, "block", 0, None),
+            ("m8+a8", 0, "fp32", 8, "none", 8, -0.3), ("m8+ckpt+a8", 0, "fp32", 8, "block", 8, None),
+            ("m4+ckpt+a2", 0, "fp32", 4, "block", 2, -0.9), ("m4+a2", 0, "fp32", 4, "none", 2, None)]
+    df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "activation_bits", "quality_change"])
+    df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 3.0, ""
+    frontier._exact_fill(df, "wrn")
+    by = df.set_index("name")
+    assert by.loc["m8+ckpt", "quality_change"] == -0.1 and by.loc["m8+ckpt", "quality_from"].startswith("exact, by test")
+    assert by.loc[["m8+ckpt+a8", "m4+a2"], "quality_change"].isna().all()
+
+
+def test_levers_arms_that_the_grid_holds_are_left_to_the_grid(tmp_path: Path) -> None:
+    arm = lambda acc, **tech: {"techniques": tech, "per_seed_acc": acc, "step_s": [0.2], "memory": {"total_mib": 100.0}}  # noqa: E731
+    res = {"profile": "cpu", "seeds": [0], "arms": {"baseline": arm([0.9]), "activations-8": arm([0.9], activation_bits=8),
+                                                   "optimi-sgd": arm([0.9], optimizer="optimi-sgd")}}
+    (tmp_path / "levers_train.json").write_text(json.dumps(res))
+    assert frontier.beyond_rows(tmp_path, {json.dumps({"activation_bits": 8})}).name.tolist() == ["optimi-sgd"]
+
+
+@pytest.mark.parametrize("task, kw, match", [
+    ("wrn", {"activation_bits": [0, 3]}, "activation_bits: \\[3\\] not allowed; use 0 \\(off\\) or one of 2, 4, 8, 16"),
+    ("wrn", {"activation_bits": [8, 0]}, "must start with its 'off' value"),
+    ("dynamicconv", {"activation_bits": [0, 8]}, "does not compress activations"),
+])
+def test_a_bad_activation_bits_list_stops_before_any_compute(task: str, kw: dict, match: str) -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params[f"combinations_{task}"] = {**params[f"combinations_{task}"], **kw}
+    with pytest.raises(ParamError, match=match):
+        combinations.resolve_task(task, params)
+
+
+def test_the_prediction_adds_a_compressed_activations_effect_like_any_lossy_lever() -> None:
+    cfgs = [{"microbatch": 8, "checkpoint": "block", "activation_bits": 8}, {"activation_bits": 4}]
+    memory = pd.DataFrame({"config": [json.dumps(c) for c in cfgs]})
+    effects = {**EFFECTS, ("activation_bits", 8): quality.Paired(-0.05, -1, 1, 3, 0.1)}
+    pred = combinations.predict(memory, effects)
+    assert pred[0] == pytest.approx(-0.2 - 0.05) and np.isnan(pred[1])
 
 
 def test_the_report_shows_a_wide_figure_scaled_to_its_width_with_the_aspect_kept(tmp_path: Path) -> None:

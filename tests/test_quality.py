@@ -118,5 +118,7 @@ def test_the_seed_noise_interval_reduces_to_each_source_alone() -> None:
     assert only.high - 1.0 == pytest.approx(stats.t.ppf(0.975, 3) * math.sqrt(2) * 0.5, rel=1e-12)
     unknown = Paired(1.0, math.nan, math.nan, 1, math.nan)
     assert quality.with_seed_noise(unknown, 0.5, 4) is unknown
+    itself = Paired(0.0, 0.0, 0.0, 1, math.nan)  # the baseline's own run (or its exact twin): no noise to add
+    assert quality.with_seed_noise(itself, 0.5, 4) is itself
     with pytest.raises(ValueError, match="two or more seeds"):
         quality.with_seed_noise(boot, 0.5, 1)

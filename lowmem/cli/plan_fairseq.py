@@ -88,13 +88,13 @@ def seed_widened(root: Path, change: float, low: float, high: float, profile: st
     where = f"DynamicConv sacreBLEU, profile {profile}, 1 seed"
     if math.isnan(low) or math.isnan(high):
         return {"change": change, "low": low, "high": high, "where": where + ", no interval"}
-    if low == high:  # zero width: the baseline's own run, as in the headline
-        return {"change": change, "low": low, "high": high, "where": where + ", bootstrap interval"}
     noise = frontier.dc_seed_noise(root / "metrics", profile, updates) if updates is not None else None
     if noise is None:
         return {"change": change, "low": low, "high": high,
                 "where": where + f", bootstrap interval only (no seed noise measured at profile {profile}, {updates} updates)"}
     c = quality.with_seed_noise(quality.Paired(change, low, high, 1, float("nan")), noise["sd"], noise["seeds"])
+    if (c.low, c.high) == (low, high):  # the baseline's own run, which with_seed_noise leaves as it is
+        return {"change": change, "low": low, "high": high, "where": where + ", bootstrap interval"}
     return {"change": change, "low": c.low, "high": c.high,
             "where": f"{where}, bootstrap interval widened by the baseline's seed sd over {noise['seeds']} seeds"}
 

@@ -13,6 +13,7 @@ writes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import textwrap
@@ -28,8 +29,9 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, DIMS, EXACT, EXACT_DYNAMICCONV,
-                                          EXACT_DYNAMICCONV_PRECISIONS, beyond_paper, paired_change, predict, selection)
+from lowmem.studies.quality_model import (BEYOND_PAPER, BEYOND_PAPER_DYNAMICCONV, EXACT, EXACT_DYNAMICCONV,
+                                          EXACT_DYNAMICCONV_PRECISIONS, beyond_paper, dims, paired_change, predict,
+                                          selection)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -75,15 +77,19 @@ def best_within(
     return pd.DataFrame(rows).reindex(columns=columns).reset_index(drop=True)
 
 
-def _exact_fill(df: pd.DataFrame, exact: dict[str, str] = EXACT, precisions: tuple[str, ...] | None = None) -> None:
+def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, precisions: tuple[str, ...] | None = None) -> None:
     """Quality for the untrained rows that differ from a trained one only by ``exact`` levers: that run's, with the
-    test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all)."""
-    lossy = [d for d in DIMS if d not in exact]
+    test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
+    compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
+    step's saved tensors packed), so those rows neither give nor take a twin's quality."""
+    lossy = [d for d in dims(task) if d not in exact]
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
+    plain = (df.activation_bits == 0) if "activation_bits" in df else pd.Series(True, index=df.index)
+    trained = trained[plain[trained.index]]
     measured = {tuple(r[d] for d in lossy): r for _, r in trained.iterrows()}
-    for i, r in df[df.quality_change.isna()].iterrows():
+    for i, r in df[df.quality_change.isna() & plain].iterrows():
         twin = measured.get(tuple(r[d] for d in lossy))
         if twin is not None:
             cols = ["quality_change", "quality_low", "quality_high", "quality_n"]
@@ -96,8 +102,9 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     for WRN, sacreBLEU for DynamicConv) with its 95% interval (``quality_low``, ``quality_high``: WRN's paired over
     ``quality_n`` seeds, DynamicConv's paired bootstrap of one seed's test set where it was computed, which ``study``
     widens by the seed noise, ``widen_by_seed_noise``), where the
-    quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, and whether the
-    point is Pareto-optimal in (reduction, quality change)."""
+    quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, whether the
+    combination uses a lever beyond the paper (``beyond``: WRN's compressed activations, a dimension of its grid),
+    and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
     if task == "dynamicconv":  # the paper's levers only; those beyond it are ``beyond_rows_dynamicconv``'s
         df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
@@ -125,7 +132,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
             effects = {(e["lever"], e["setting"]): quality.Paired(e["change"], e["low"], e["high"], e["n"], np.nan)
                        for e in selected["effects"]}
             df["predicted_change"] = predict(df, effects)
-        _exact_fill(df)
+        _exact_fill(df, task)
     else:
         stage08 = json.loads((metrics_dir / "translation_techniques_train.json").read_text())
         profile.add(stage08["profile"])
@@ -147,11 +154,13 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 r.get("sacrebleu_change", r["sacrebleu"] - base), r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
-        _exact_fill(df, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+        _exact_fill(df, task, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
     df["profile"] = profile.pop()
-    df["pareto"] = pareto(df)
+    df["beyond"] = df.config.map(lambda c: beyond_paper(json.loads(c)))
+    df["pareto"] = False
+    df.loc[~df.beyond, "pareto"] = pareto(df[~df.beyond])
     return df
 
 
@@ -161,11 +170,13 @@ LEVERS_PAPER, LEVERS_BEYOND = "the paper's", "the paper's and beyond"  # the hea
 LEVERS_STAGES = ("levers_train", "levers_state_train")  # WRN's studies of levers beyond the paper, one machine each
 
 
-def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
+def beyond_rows(metrics_dir: Path, grid_configs: set[str] = frozenset()) -> pd.DataFrame:
     """WRN's configurations with a lever beyond the paper, from stages levers_train and levers_state_train
     (``metrics/<stage>.json``): each arm's accuracy change paired by seed with the baseline trained beside it in the
     same study, its full-size memory reduction against that baseline, and its time per step against it, from the
-    training runs. An arm in both studies is the first one's. Empty without either file."""
+    training runs. An arm in both studies is the first one's. An arm whose configuration (JSON, sorted keys) is in
+    ``grid_configs`` is the combination grid's, which the grid's own study measures against its own baseline, so it
+    is left out here. Empty without either file."""
     rows: list[dict[str, Any]] = []
     for stage in LEVERS_STAGES:
         path = Path(metrics_dir) / f"{stage}.json"
@@ -175,7 +186,8 @@ def beyond_rows(metrics_dir: Path) -> pd.DataFrame:
         arms, seeds = res["arms"], res["seeds"]
         base = arms["baseline"]
         for name, arm in arms.items():
-            if not beyond_paper(arm["techniques"]) or any(r["name"] == name for r in rows):
+            if (not beyond_paper(arm["techniques"]) or any(r["name"] == name for r in rows)
+                    or json.dumps(arm["techniques"], sort_keys=True) in grid_configs):
                 continue
             c = paired_change({"seeds": seeds, **arm}, {"seeds": seeds, **base})
             rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
@@ -208,13 +220,11 @@ def dc_seed_noise(metrics_dir: Path, profile: str, updates: int) -> dict[str, An
 
 def widen_by_seed_noise(df: pd.DataFrame, noise: dict[str, Any] | None) -> pd.DataFrame:
     """DynamicConv's one-seed rows with their bootstrap interval widened by ``noise`` (``dc_seed_noise``;
-    ``quality.with_seed_noise``). A zero-width interval is the baseline's own run (checkpointing's too): its
-    change is zero on every resample and in every seed, so it stays."""
+    ``quality.with_seed_noise``, which leaves a missing interval and the baseline's own run as they are)."""
     df = df.copy()
     if noise is None or df.empty:
         return df
-    rows = df.index[(df.quality_n == 1) & df.quality_low.notna() & (df.quality_low != df.quality_high)]
-    for i in rows:
+    for i in df.index[df.quality_n == 1]:
         c = quality.with_seed_noise(quality.Paired(float(df.at[i, "quality_change"]), float(df.at[i, "quality_low"]),
                                                    float(df.at[i, "quality_high"]), 1, np.nan), noise["sd"], noise["seeds"])
         df.loc[i, ["quality_low", "quality_high"]] = [c.low, c.high]
@@ -241,7 +251,7 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
         df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]] = [
             r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1, res["time_ratio"].get(r["technique"], np.nan)]
         df.loc[i, "quality_from"] = "stage translation_levers_train"
-    _exact_fill(df, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+    _exact_fill(df, "dynamicconv", EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
     df = df[df.quality_change.notna()].reset_index(drop=True)
     df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], "translation_levers_train"
     df["machine"] = res.get("machine", "not recorded")
@@ -335,7 +345,7 @@ class Study:
     and trained combinations (``results``), the quality budgets of params.yaml, the ``best_within`` table of each
     budget, and what the trained runs were (``trained_on``: profile, model, data, schedule)."""
 
-    results: dict[str, pd.DataFrame]
+    results: dict[str, pd.DataFrame]  # the paper's levers alone
     budgets: dict[str, list[float]]
     best: dict[str, pd.DataFrame]
     trained_on: dict[str, str]
@@ -344,6 +354,7 @@ class Study:
     best_beyond: dict[str, pd.DataFrame]  # ``best_within`` over the paper's combinations and those, together
     accounted: dict[str, int]  # per task, every combination of the sweep, levers beyond the paper included
     seed_noise: dict[str, Any] | None = None  # what widened DynamicConv's one-seed intervals (``dc_seed_noise``)
+    grid: dict[str, pd.DataFrame] = dataclasses.field(default_factory=dict)  # per task, ``results``' whole table
 
     @property
     def profile(self) -> dict[str, str]:
@@ -358,7 +369,8 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     params = yaml.safe_load(Path(params_path).read_text())
     budgets = {k.removeprefix("combinations_"): v["budgets"] for k, v in params.items()
                if k.startswith("combinations_")}
-    res = {task: results(task, sweep_dir, metrics_dir) for task in budgets}
+    grid = {task: results(task, sweep_dir, metrics_dir) for task in budgets}
+    res = {task: g[~g.beyond].reset_index(drop=True) for task, g in grid.items()}
     wrn_files = sorted((metrics_dir / "combinations").glob("wrn-*.json"))
     if not wrn_files:
         raise FileNotFoundError(f"no trained WRN combination in {metrics_dir / 'combinations'}: "
@@ -384,7 +396,12 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    beyond = {"wrn": beyond_rows(metrics_dir),
+    # WRN: the grid's own combinations with compressed activations (stage combination_wrn's study and baseline),
+    # then the levers studies' arms that the grid does not hold (Kahan, 8-bit momentum).
+    wrn_grid = grid["wrn"][grid["wrn"].beyond & grid["wrn"].quality_change.notna()].assign(
+        study="combination_wrn", machine=_machine(metrics_dir, "wrn"))
+    grid_configs = {json.dumps(json.loads(c), sort_keys=True) for c in grid["wrn"].config}
+    beyond = {"wrn": pd.concat([wrn_grid, beyond_rows(metrics_dir, grid_configs)], ignore_index=True),
               "dynamicconv": widen_by_seed_noise(beyond_rows_dynamicconv(sweep_dir, metrics_dir), noise)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}
     for t, b in beyond.items():
@@ -400,7 +417,14 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference(),
                  beyond=beyond, best_beyond=best_beyond,
                  accounted={task: len(pd.read_csv(sweep_dir / f"{task}_sweep.csv")) for task in budgets},
-                 seed_noise=noise)
+                 seed_noise=noise, grid=grid)
+
+
+def _machine(metrics_dir: Path, task: str) -> str:
+    """The CPU that trained ``task``'s combination slots (one, or all of them named)."""
+    found = {json.loads(f.read_text()).get("machine", "not recorded")
+             for f in sorted((Path(metrics_dir) / "combinations").glob(f"{task}-*.json"))}
+    return ", ".join(sorted(found))
 
 
 def overview(s: Study) -> str:
@@ -417,11 +441,12 @@ FRONTIER_CAPTION = (
     "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: the 95% "
     "interval of the paired change (WRN: over seeds; DynamicConv: one seed's paired bootstrap of the test set, where "
     "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
-    "so they carry its quality. White points: time per step not measured at this profile. Stars: configurations with a "
-    "lever beyond the paper (WRN: compressed activations, Kahan-compensated bf16, 8-bit momentum; DynamicConv: 8-bit "
-    "Adam moments), trained beside their own baseline (WRN: on the same seeds; DynamicConv: one seed, its interval as "
-    "the other DynamicConv points'), on one "
-    "machine per study; their time is from those runs; a white star is the exact twin of a trained one.")
+    "so they carry its quality. White points: time per step not measured at this profile. The black line: the Pareto "
+    "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
+    "activations, a dimension of the grid, trained by the same search beside the same baseline and timed by the same "
+    "sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
+    "those runs. DynamicConv: 8-bit Adam moments, one seed beside its own baseline, its interval as the other "
+    "DynamicConv points', timed by those runs. One machine per study; a white star is the exact twin of a trained one.")
 
 
 def figure(s: Study) -> Figure:
@@ -500,7 +525,7 @@ def predicted_table(s: Study) -> pd.DataFrame:
     """WRN's search: every trained combination of two or more lossy levers whose change the singles predict (the
     sum of its levers' effects), beside its measured paired change and interval, and whether the interval holds the
     prediction. (With one lossy lever the prediction is that lever's own measurement.)"""
-    r = s.results["wrn"]
+    r = s.grid["wrn"]  # the search picks among every lever of the grid
     lossy = r.config.map(lambda c: len([d for d in json.loads(c) if d not in EXACT]))
     t = r[r.predicted_change.notna() & r.quality_from.str.startswith("stage") & (lossy > 1)]
     out = t[["name", "role", "reduction", "predicted_change", "quality_change", "quality_low", "quality_high", "quality_n"]].copy()
@@ -511,13 +536,14 @@ def predicted_table(s: Study) -> pd.DataFrame:
 
 def predicted_caption(s: Study) -> str:
     return (f"WRN, the quality-aware search: a combination's predicted accuracy change (points) is the sum of its "
-            f"lossy levers' paired changes alone (checkpointing adds zero: exact by test); measured: its own paired "
+            f"lossy levers' paired changes alone (checkpointing adds zero: exact by test, and assumed zero with compressed "
+            f"activations, where it is not exact); measured: its own paired "
             f"change with the {quality.LEVEL:.0%} interval over the seeds. Quality: {s.trained_on['wrn']}.")
 
 
 def effects_table(s: Study) -> pd.DataFrame:
     """Each lossy lever's effect alone, as the search used it (empty before the search has run)."""
-    r = s.results["wrn"]
+    r = s.grid["wrn"]
     singles = r[(r.techniques == 1) & r.quality_from.str.startswith("stage")]
     return singles[["name", "reduction", "quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]].reset_index(drop=True)
 

@@ -139,13 +139,14 @@ def with_seed_noise(change: Paired, seed_sd: float, seeds: int) -> Paired:
     se² = se_b² + 2 · seed_sd², with se_b from the bootstrap interval as (high - low) / (2 · z). The quantile is
     Student's t at Welch-Satterthwaite's degrees of freedom, se⁴ / ((2 · seed_sd²)² / (seeds - 1)), since only the
     seed variance is estimated from few samples. The interval is symmetric about the full test set's change.
-    No bootstrap interval (NaN) stays NaN.
+    No bootstrap interval (NaN) stays NaN. A change of zero with a zero-width interval stays as it is: that is the
+    baseline's own run against itself (or its exact twin's, whose output is the same), zero in every seed too.
     Assumed: the configuration's seed sd is the baseline's (a lossy lever may make training noisier, which this
     cannot see). Wide on two counts: the pair's runs share a seed, and the seed sd, measured on one fixed test set,
     already holds the seed-by-sentence part that the bootstrap's variance counts too."""
     if seeds < 2 or not (math.isfinite(seed_sd) and seed_sd >= 0):
         raise ValueError(f"the seed sd needs a finite value >= 0 from two or more seeds, got {seed_sd} from {seeds}")
-    if math.isnan(change.low) or math.isnan(change.high):
+    if math.isnan(change.low) or math.isnan(change.high) or change.low == change.high == change.mean == 0:
         return change
     z = float(stats.norm.ppf(0.5 + LEVEL / 2))
     var_boot, var_seed = ((change.high - change.low) / (2 * z)) ** 2, 2 * seed_sd ** 2
