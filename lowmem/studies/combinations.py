@@ -46,7 +46,8 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import BEYOND_PAPER_DYNAMICCONV, EXACT, dims, paired_change, predict, selection
+from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, beyond_paper, dims, paired_change, predict,
+                                          selection)
 from lowmem.techniques import compress, precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
@@ -83,6 +84,9 @@ class CombinationsParams:
     # by fewest techniques from memory alone; the singles must then be lossy levers, one setting each.
     search: bool = False
     search_max: bool = True  # with search: one more slot, the largest reduction whose quality can be predicted
+    # with search: after the picks among every lever of the grid, the same levels (and maximum) among the paper's
+    # levers alone, so that the headline's rows "the paper's" rest on trained combinations of them too
+    search_paper: bool = False
     timing_repeats: int = 1  # WRN: timed steps per combination (after a warm-up), all combinations in turn
     sparse_format: str = "csr16"  # WRN: accounted CSR index width (16-bit where every index fits)
     wrn: dict = field(default_factory=dict)  # WRN: the memory study's shapes (block ``sparsity``: model, batch, ...)
@@ -121,6 +125,9 @@ class CombinationsParams:
         if self.search:
             if self.task != "wrn":
                 raise ParamError(f"combinations_{self.task}.search: the quality-aware search is WRN's only")
+            if self.search_paper and self.activation_bits == [0]:
+                raise ParamError(f"combinations_{self.task}.search_paper: the grid holds the paper's levers only "
+                                 "(activation_bits: [0]), so one search covers them; set it to false")
             exact = [c for c in self.singles if set(c) & set(EXACT)]
             if exact:
                 raise ParamError(f"combinations_wrn.singles: {exact} are exact levers (tested equal to the plain "
@@ -223,7 +230,7 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
 
 def search_slots(p: CombinationsParams) -> int:
     """Slots the quality-aware search fills after the singles: one per level, and the maximum."""
-    return len(p.levels) + int(p.search_max) if p.search else 0
+    return (len(p.levels) + int(p.search_max)) * (1 + int(p.search_paper)) if p.search else 0
 
 
 # --- the quality-aware search (WRN) ----------------------------------------------------------------------------
@@ -250,22 +257,32 @@ def search(p: CombinationsParams, memory: pd.DataFrame, effects: dict[tuple[str,
     """The levels' combinations: at each level, among the combinations not yet ``chosen`` that reach it and whose
     change can be predicted, the one with the smallest predicted loss; ties (combinations that differ by exact
     levers) go to the lower time ratio, then the smaller reduction. With ``p.search_max``, then the largest
-    reduction that can be predicted. Each entry is {name, role, config, predicted_change}."""
+    reduction that can be predicted. With ``p.search_paper``, then the same again among the combinations of the
+    paper's levers alone that are not picked yet. Each entry is {name, role, config, predicted_change}."""
     pool = memory.assign(predicted_change=predict(memory, effects))
     pool = pool[pool.predicted_change.notna() & ~pool.name.isin(chosen)]
+    picks = _search_levels(p, pool, "")
+    if p.search_paper:
+        paper = pool[~pool.config.map(lambda c: beyond_paper(json.loads(c))) & ~pool.name.isin([c["name"] for c in picks])]
+        picks += _search_levels(p, paper, " (the paper's levers)")
+    return picks
+
+
+def _search_levels(p: CombinationsParams, pool: pd.DataFrame, among: str) -> list[dict[str, Any]]:
+    """``search``'s picks from ``pool`` (predicted, not yet chosen); ``among`` ends each role."""
     picks = []
     for level in p.levels:
         reach = pool[pool.reduction >= level]
         if reach.empty:
             raise ParamError(f"combinations_{p.task}.levels: no combination whose quality can be predicted reaches "
-                             f"{level:g}x (max {pool.reduction.max():.1f}x); lower the level or train more singles")
+                             f"{level:g}x{among} (max {pool.reduction.max():.1f}x); lower the level or train more singles")
         best = reach.sort_values(["predicted_change", "time_ratio", "reduction"], ascending=[False, True, True]).iloc[0]
-        picks.append({"name": best["name"], "role": f"search {level:g}x", "config": json.loads(best.config),
+        picks.append({"name": best["name"], "role": f"search {level:g}x{among}", "config": json.loads(best.config),
                       "predicted_change": round(float(best.predicted_change), 4)})
         pool = pool[pool.name != best["name"]]
     if p.search_max:
         best = pool.sort_values(["reduction", "predicted_change"], ascending=[False, False]).iloc[0]
-        picks.append({"name": best["name"], "role": "search maximum", "config": json.loads(best.config),
+        picks.append({"name": best["name"], "role": f"search maximum{among}", "config": json.loads(best.config),
                       "predicted_change": round(float(best.predicted_change), 4)})
     return picks
 
