@@ -14,7 +14,7 @@ import yaml
 from scipy import stats
 
 from lowmem import config
-from lowmem.studies import combinations, proxy_noise
+from lowmem.studies import combinations, proxy_noise, quality_model
 from lowmem.wrn.models import build_model
 
 MIB = 2**20
@@ -106,6 +106,10 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
         p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
         assert m[track]["accounted"] == len(combinations.grid(p))
+        paper = [c for c in combinations.grid(p) if not quality_model.beyond_paper(c)]
+        assert m[track]["accounted_paper_levers"] == len(paper)
+        # The rows "the paper's" never pick a combination with a lever beyond the paper (WRN's compressed activations).
+        assert not any("activations-" in (r["config"] or "") for b in m[track]["best_within"].values() for r in b.values())
     # DynamicConv's one-seed intervals hold the seed noise of the baseline at least: each is no narrower than
     # z · √2 · seed sd about its change (a bootstrap interval alone was about a third of that at 600 updates).
     noise = m["dynamicconv_seed_noise"]

@@ -92,8 +92,9 @@ def seed_widened(root: Path, change: float, low: float, high: float, profile: st
     if noise is None:
         return {"change": change, "low": low, "high": high,
                 "where": where + f", bootstrap interval only (no seed noise measured at profile {profile}, {updates} updates)"}
-    c = quality.with_seed_noise(quality.Paired(change, low, high, 1, float("nan")), noise["sd"], noise["seeds"])
-    if (c.low, c.high) == (low, high):  # the baseline's own run, which with_seed_noise leaves as it is
+    run = quality.Paired(change, low, high, 1, float("nan"))
+    c = quality.with_seed_noise(run, noise["sd"], noise["seeds"])
+    if c is run:  # the baseline's own run, which with_seed_noise leaves as it is
         return {"change": change, "low": low, "high": high, "where": where + ", bootstrap interval"}
     return {"change": change, "low": c.low, "high": c.high,
             "where": f"{where}, bootstrap interval widened by the baseline's seed sd over {noise['seeds']} seeds"}

@@ -1,6 +1,6 @@
 """The four techniques combined (Sohoni et al. 2019, the combination study behind 60.7x and 8.7x): a grid of
-sparsity x precision x microbatch x checkpoint for each task, accounted at full size, timed at the active profile,
-and a subset chosen from the memory results for training.
+sparsity x precision x microbatch x checkpoint for each task (WRN's with a fifth dimension beyond the paper, the bits of
+saved activations), accounted at full size, timed at the active profile, and a subset chosen for training.
 
 - WRN: every combination is a ``lowmem.wrn.train.Techniques``; memory is WRN-28-2's step at B = 128, step time is the
   profile's trained model at its batch, and a chosen combination trains with ``lowmem.wrn.train.train``.
@@ -18,7 +18,8 @@ mildest techniques (see ``select``). Each one is a slot of a DVC ``matrix`` stag
 The quality-aware search (WRN, ``search: true``): the singles are lossy levers trained alone on the same seeds as
 the baseline; each one's paired change is its effect, a combination's predicted change is the sum of its levers'
 effects (exact levers, ``EXACT``, add zero), and at each memory level the combination with the smallest predicted
-loss is trained, then the largest reduction that can be predicted. Predicted against measured is notebook 09's.
+loss is trained, then the largest reduction that can be predicted; with ``search_paper``, the same again among the
+paper's levers alone. Predicted against measured is notebook 09's.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class CombinationsParams:
     # WRN: pick the levels' combinations by predicted quality (``search``) once the singles have trained, instead of
     # by fewest techniques from memory alone; the singles must then be lossy levers, one setting each.
     search: bool = False
-    search_max: bool = True  # with search: one more slot, the largest reduction whose quality can be predicted
+    search_max: bool = True  # with search: one more slot per pass, the largest reduction whose quality can be predicted
     # with search: after the picks among every lever of the grid, the same levels (and maximum) among the paper's
     # levers alone, so that the headline's rows "the paper's" rest on trained combinations of them too
     search_paper: bool = False
@@ -115,9 +116,14 @@ class CombinationsParams:
                              f"{', '.join(map(str, compress.BITS))}")
         if (self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1)
                 or self.checkpoint[0] != "none" or self.activation_bits[0] != 0):
-            raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (0, fp32, "
-                             f"{'0' if self.task == 'wrn' else '1'}, none{', 0' if self.task == 'wrn' else ''}): the "
-                             "baseline is the first combination")
+            raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (sparsity 0, "
+                             f"precision fp32, microbatch {'0' if self.task == 'wrn' else '1'}, checkpoint none"
+                             f"{', activation_bits 0' if self.task == 'wrn' else ''}): the baseline is the first combination")
+        if self.task == "wrn" and self.activation_bits != [0] and not self.search:
+            raise ParamError("combinations_wrn.activation_bits: a lever beyond the paper in the grid needs search: true "
+                             "(the levels picked by fewest techniques would mix it into the paper's rows)")
+        if self.search_paper and not self.search:
+            raise ParamError(f"combinations_{self.task}.search_paper: a second pass of the search needs search: true")
         if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
             raise ParamError(f"combinations_{self.task}.levels must be increasing reductions above 1, got {self.levels!r}")
         if not self.train_seeds or not all(isinstance(s, int) for s in self.train_seeds):
@@ -159,8 +165,8 @@ def accountable(p: CombinationsParams, cfg: dict[str, Any]) -> bool:
 
 
 def grid(p: CombinationsParams) -> list[dict[str, Any]]:
-    """Every accountable combination of the four lists, the baseline first; only a technique that is on appears in
-    a config."""
+    """Every accountable combination of the task's lists (``dims``), the baseline first; only a technique that is on
+    appears in a config."""
     off = {d: getattr(p, d)[0] for d in dims(p.task)}
     out = []
     for values in itertools.product(*(getattr(p, d) for d in dims(p.task))):
@@ -229,7 +235,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def search_slots(p: CombinationsParams) -> int:
-    """Slots the quality-aware search fills after the singles: one per level, and the maximum."""
+    """Slots the quality-aware search fills after the singles: one per level and the maximum, twice with
+    ``search_paper`` (among every lever, then among the paper's alone)."""
     return (len(p.levels) + int(p.search_max)) * (1 + int(p.search_paper)) if p.search else 0
 
 

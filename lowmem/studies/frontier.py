@@ -29,7 +29,7 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (BEYOND_PAPER, BEYOND_PAPER_DYNAMICCONV, EXACT, EXACT_DYNAMICCONV,
+from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, EXACT_DYNAMICCONV,
                                           EXACT_DYNAMICCONV_PRECISIONS, beyond_paper, dims, paired_change, predict,
                                           selection)
 
@@ -106,6 +106,9 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     combination uses a lever beyond the paper (``beyond``: WRN's compressed activations, a dimension of its grid),
     and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
+    if missing := [d for d in dims(task) if d not in df]:
+        raise ValueError(f"{sweep_dir / f'{task}_sweep.csv'} has no column {missing}: it was made for another grid; "
+                         f"rerun the sweep (dvc repro combinations_sweep_{task})")
     if task == "dynamicconv":  # the paper's levers only; those beyond it are ``beyond_rows_dynamicconv``'s
         df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
     selected = selection(task, sweep_dir)
@@ -400,7 +403,8 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     # then the levers studies' arms that the grid does not hold (Kahan, 8-bit momentum).
     wrn_grid = grid["wrn"][grid["wrn"].beyond & grid["wrn"].quality_change.notna()].assign(
         study="combination_wrn", machine=_machine(metrics_dir, "wrn"))
-    grid_configs = {json.dumps(json.loads(c), sort_keys=True) for c in grid["wrn"].config}
+    # A levers arm the grid trained is the grid's; one it did not train (another setting of the same levers) stays.
+    grid_configs = {json.dumps(json.loads(c), sort_keys=True) for c in wrn_grid.config}
     beyond = {"wrn": pd.concat([wrn_grid, beyond_rows(metrics_dir, grid_configs)], ignore_index=True),
               "dynamicconv": widen_by_seed_noise(beyond_rows_dynamicconv(sweep_dir, metrics_dir), noise)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}
@@ -421,7 +425,8 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
 
 
 def _machine(metrics_dir: Path, task: str) -> str:
-    """The CPU that trained ``task``'s combination slots (one, or all of them named)."""
+    """The CPU that ran ``task``'s combination slots (one, or all of them named): each slot's metrics record the
+    machine of the command that wrote them, which reused any run the store already had."""
     found = {json.loads(f.read_text()).get("machine", "not recorded")
              for f in sorted((Path(metrics_dir) / "combinations").glob(f"{task}-*.json"))}
     return ", ".join(sorted(found))
@@ -429,11 +434,13 @@ def _machine(metrics_dir: Path, task: str) -> str:
 
 def overview(s: Study) -> str:
     """One line per task (Markdown): how many combinations were accounted and trained, and the largest reduction."""
-    return "\n\n".join(
-        f"**{task}**: {s.accounted[task]} combinations accounted ({len(r)} of the paper's levers alone), "
-        f"{int(r.quality_change.notna().sum())} of those with a quality; "
-        f"best accounted reduction {r.reduction.max():.1f}x ({r.loc[r.reduction.idxmax(), 'name']})."
-        for task, r in s.results.items())
+    def line(task: str, r: pd.DataFrame) -> str:
+        g = s.grid.get(task, r)
+        return (f"**{task}**: {s.accounted[task]} combinations accounted ({len(r)} of the paper's levers alone), "
+                f"{int(g.quality_change.notna().sum())} with a quality ({int(r.quality_change.notna().sum())} of the "
+                f"paper's levers alone); best accounted reduction {g.reduction.max():.1f}x "
+                f"({g.loc[g.reduction.idxmax(), 'name']}), {r.reduction.max():.1f}x with the paper's levers alone.")
+    return "\n\n".join(line(task, r) for task, r in s.results.items())
 
 
 FRONTIER_CAPTION = (
@@ -443,8 +450,8 @@ FRONTIER_CAPTION = (
     "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
     "so they carry its quality. White points: time per step not measured at this profile. The black line: the Pareto "
     "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
-    "activations, a dimension of the grid, trained by the same search beside the same baseline and timed by the same "
-    "sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
+    "activations, a dimension of the grid, trained alone and in the search's picks beside the same baseline and timed "
+    "by the same sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
     "those runs. DynamicConv: 8-bit Adam moments, one seed beside its own baseline, its interval as the other "
     "DynamicConv points', timed by those runs. One machine per study; a white star is the exact twin of a trained one.")
 
@@ -490,7 +497,8 @@ def figure(s: Study) -> Figure:
         ax.set_yscale("symlog", linthresh=1)
         lo, hi = ax.get_ylim()
         ax.set_ylim(lo * 1.8 if lo < -1 else lo - 0.8, hi + 1)
-        ax.plot(r.reduction, np.full(len(r), ax.get_ylim()[0]), "|", color="grey", alpha=0.4, ms=8)
+        g = s.grid.get(task, r)  # every accounted combination, levers beyond the paper included
+        ax.plot(g.reduction, np.full(len(g), ax.get_ylim()[0]), "|", color="grey", alpha=0.4, ms=8)
         ref = s.reference["tasks"][task]
         ax.axhline(ref["quality_change"], color="tab:blue", ls=":", lw=1)
         ax.axhline(0, color="black", lw=0.6)
@@ -632,11 +640,14 @@ def metrics(s: Study) -> dict[str, Any]:
                   for t, v in s.reference["tasks"].items()},
     }
     for task, r in s.results.items():
+        g = s.grid.get(task, r)  # the whole grid, levers beyond the paper included
         summary[task] = {
-            "accounted": s.accounted[task], "accounted_paper_levers": len(r), "with_quality": int(r.quality_change.notna().sum()),
-            "max_accounted_reduction": round(float(r.reduction.max()), 2),
-            "trained_runs": int(r.quality_from.str.startswith("stage").sum()),
-            "exact_by_test": int(r.quality_from.str.startswith("exact").sum()),
+            "accounted": s.accounted[task], "accounted_paper_levers": len(r), "with_quality": int(g.quality_change.notna().sum()),
+            "with_quality_paper_levers": int(r.quality_change.notna().sum()),
+            "max_accounted_reduction": round(float(g.reduction.max()), 2),
+            "max_accounted_reduction_paper_levers": round(float(r.reduction.max()), 2),
+            "trained_runs": int(g.quality_from.str.startswith("stage").sum()),
+            "exact_by_test": int(g.quality_from.str.startswith("exact").sum()),
             "best_within": {rule: {f"{row.budget:g}": _metric_row(row) for _, row in b.iterrows()}
                             for rule, b in best[task].groupby("rule", sort=False)},
         }

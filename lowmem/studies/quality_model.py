@@ -20,7 +20,8 @@ DIMS = ("sparsity", "precision", "microbatch", "checkpoint")  # the paper's four
 DIMS_OF = {"wrn": DIMS + ("activation_bits",), "dynamicconv": DIMS}
 # Levers whose step equals the plain step (bitwise), by the named test: their expected quality effect is zero, and a
 # combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
-# a combination is that very run (lowmem.wrn.train.run_techniques).
+# a combination is that very run (lowmem.wrn.train.run_techniques); not with compressed activations, where
+# checkpointing is not exact and the key keeps it.
 EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers"}
 # DynamicConv's --checkpoint-activations, by fairseq's own Trainer stepping with and without it (dropout on), in the
 # precisions the tests cover: a twin in another precision (fairseq's fp16, which trains only on a GPU) is not filled.
