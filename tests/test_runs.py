@@ -164,3 +164,23 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path
                        for r in json.loads(f.read_text())["runs"] for row in r["history"]]
     assert strip(tmp_path / "cut.json") == strip(tmp_path / "whole.json")
     assert len(strip(tmp_path / "whole.json")) == 4
+
+
+def test_the_run_index_fails_on_a_run_trained_twice_by_this_pipeline_only(tmp_path: Path) -> None:
+    """A left-out stage's committed metrics say what it trained in the store where it ran (in a fresh clone,
+    another machine's): a default stage that trains the same key in this store is listed beside it, not refused.
+    Two stages of this checkout's pipeline training one key would be a second training in one store."""
+    from lowmem.pipeline import run_index
+
+    results, metrics = tmp_path / "results", tmp_path / "metrics"
+    (metrics / "combinations").mkdir(parents=True)
+    results.mkdir()
+    runs.write_json(results / "baseline_train.json", {"runs": [{"key": "k1", "trained": True}]})
+    runs.write_json(results / "precision_train.json", {"runs": [{"key": "k1", "trained": False}, {"key": "k2", "trained": True}]})
+    runs.write_json(metrics / "combinations" / "wrn-0.json", {"role": "single", "runs": [{"key": "k1", "trained": True}]})
+    out = {r["key"]: r for r in run_index.index(results, metrics)["runs"]}
+    assert out["k1"]["stages"] == ["baseline_train", "precision_train", "combination_wrn@0"]
+    assert out["k1"]["trained_by"] == ["baseline_train", "combination_wrn@0"] and out["k2"]["trained_by"] == ["precision_train"]
+    runs.write_json(results / "sparsity_train.json", {"runs": [{"key": "k1", "trained": True}]})
+    with pytest.raises(RuntimeError, match=r"more than one stage of this pipeline: \{'k1': \['baseline_train', 'sparsity_train'\]\}"):
+        run_index.index(results, metrics)

@@ -9,8 +9,11 @@ parameters in that folder, and the code digest of the fairseq plugin (the code p
 what shows that moving code between modules keeps every key.
 
 It reads what the training stages recorded (each run's key and whether that stage trained it) and each run's
-``key.json`` in the run store. A key that two stages report as trained fails the stage: the store exists so that
-this never happens.
+``key.json`` in the run store. A key that two stages of this checkout's pipeline (``data/results``) report as
+trained fails the stage: the store exists so that this never happens. The stages left out of ``make repro`` keep
+only their committed metrics, which say what they trained in the run store where they ran, often another machine's
+and never a fresh clone's; so a default stage of a fresh clone that trains one of their runs again, in a store of
+its own, is listed beside them and is no second training in one store.
 """
 
 from __future__ import annotations
@@ -25,31 +28,32 @@ from typing import Any
 from lowmem import runs
 
 
-def _uses(results: Path, metrics: Path) -> Iterator[tuple[str, str, bool]]:
-    """(stage, key, trained by that stage) for every run every training stage used."""
+def _uses(results: Path, metrics: Path) -> Iterator[tuple[str, str, bool, bool]]:
+    """(stage, key, trained by that stage, recorded by this checkout's pipeline) for every run every training stage
+    used."""
     for f in sorted(results.glob("*_train.json")):
         data = runs.read_json(f)
         stage = f.stem
         if "runs" in data:  # WRN studies (lowmem.pipeline.train_stage)
             for r in data["runs"]:
-                yield stage, r["key"], r["trained"]
+                yield stage, r["key"], r["trained"], True
         elif "key" in data:  # translation_train
-            yield stage, data["key"], data["trained"]
+            yield stage, data["key"], data["trained"], True
     # The stages left out of `make repro` (frozen in dvc.yaml) keep only their committed metrics. Results written
     # before the run store have no keys and are not listed.
     techniques = metrics / "translation_techniques_train.json"
     for r in runs.read_json(techniques)["trained"] if techniques.exists() else []:
         if "key" in r:
-            yield "translation_techniques_train", r["key"], r["trained"]
+            yield "translation_techniques_train", r["key"], r["trained"], False
     for stage in ("proxy_noise_train", "bleu_noise_train"):
         noise = metrics / f"{stage}.json"
         for r in runs.read_json(noise)["runs"] if noise.exists() else []:
-            yield stage, r["key"], r["trained"]
+            yield stage, r["key"], r["trained"], False
     for f in sorted((metrics / "combinations").glob("*.json")):
         data = runs.read_json(f)
         search = "search_" if str(data.get("role", "")).startswith("search") else ""
         for r in data.get("runs", []):
-            yield f"combination_{search}{f.stem.replace('-', '@')}", r["key"], r["trained"]
+            yield f"combination_{search}{f.stem.replace('-', '@')}", r["key"], r["trained"], False
 
 
 def _describe(key: str) -> dict[str, Any]:
@@ -76,17 +80,21 @@ def _describe(key: str) -> dict[str, Any]:
 
 def index(results: Path, metrics: Path) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {}
-    for stage, key, trained in _uses(results, metrics):
+    here: dict[str, list[str]] = {}  # key: the stages of this checkout's pipeline that trained it
+    for stage, key, trained, ours in _uses(results, metrics):
         row = table.setdefault(key, {"key": key, "stages": [], "trained_by": []})
         if stage not in row["stages"]:
             row["stages"].append(stage)
         if trained:
             row["trained_by"].append(stage)
-    twice = {k: r["trained_by"] for k, r in table.items() if len(r["trained_by"]) > 1}
+            if ours:
+                here.setdefault(key, []).append(stage)
+    twice = {k: stages for k, stages in here.items() if len(stages) > 1}
     if twice:
-        raise RuntimeError(f"runs trained by more than one stage: {twice}")
+        raise RuntimeError(f"runs trained by more than one stage of this pipeline: {twice}")
     rows = [{**r, **_describe(k)} for k, r in table.items()]
-    # trained_by: the stage whose latest run trained it; empty when an earlier run of the pipeline did.
+    # trained_by: the stages whose latest run trained it (a left-out stage's in the store where it ran); empty when
+    # an earlier run of the pipeline did.
     return {"distinct_runs": len(rows), "trained_by_the_latest_stage_runs": sum(bool(r["trained_by"]) for r in rows),
             "uses": sum(len(r["stages"]) for r in rows), "runs": rows}
 
