@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from lowmem.dynamicconv import translation
 from lowmem.dynamicconv.params import TranslationDataParams, TranslationTechniquesParams
 from lowmem.dynamicconv.plugin import ARCH, TASK
 from lowmem.dynamicconv.translation import PLUGIN_DIR
+from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import translation as translation_study
 from lowmem.techniques import optimizers, sparse_linear
 
@@ -73,7 +75,8 @@ def batch(task, indices: list[int]) -> dict:  # type: ignore[no-untyped-def]
     ["--memory-efficient-fp16", "--fp16-init-scale", "4", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
     # (mixed-bf16 trains through fairseq's Trainer in the gradient test below)
     ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
-], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr", "half-bf16+adamw+dsr"])
+    ["--activation-bits", "4", "--checkpoint-activations", "--update-freq", "2", "--max-tokens", "500"],
+], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr", "half-bf16+adamw+dsr", "activations-4+checkpoint+update-freq"])
 def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: list[str], tmp_path: Path) -> None:
     args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
             "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
@@ -457,11 +460,22 @@ def test_8bit_adamw_trains_with_fairseq_and_keeps_8bit_moments(data: Path) -> No
 def test_run_only_trains_the_named_techniques_beside_the_baseline_and_says_on_which_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     from lowmem.studies import quality
 
-    p = TranslationTechniquesParams(techniques={"baseline": [], "a": ["--sparsity", "0.5"], "b": ["--checkpoint-activations"]})
-    seen = []
+    p = TranslationTechniquesParams(techniques={"baseline": [], "a": ["--sparsity", "0.5"], "b": ["--checkpoint-activations"]},
+                                    trained=["baseline", "a"], timed=["baseline", "a"])
+    seen, accounted = [], []
+
+    def memory(q: TranslationTechniquesParams) -> pd.DataFrame:  # the full-size accountant is tested above
+        accounted.append(q.techniques)
+        return pd.DataFrame([{"technique": n, **{f"{c}_mib": 1.0 for c in CATEGORIES}, "total_mib": 5.0 * (i + 1),
+                              "peak_phase": "backward"} for i, n in enumerate(q.techniques)])
+
     monkeypatch.setattr(translation_study, "run", lambda q, data_dir: seen.append(q) or {"trained": []})
+    monkeypatch.setattr(translation_study, "memory", memory)
     out = translation_study.run_only(p, ["b"])
     assert seen[0].trained == seen[0].timed == ["baseline", "b"]
     assert out["machine"] == quality.machine()
+    # The memory of what it trained, not of every technique: "a" is neither trained nor accounted.
+    assert accounted == [{"baseline": [], "b": ["--checkpoint-activations"]}]
+    assert out["memory"]["b"]["total_mib"] == 10.0 and set(out["memory"]["b"]) == {*(f"{c}_mib" for c in CATEGORIES), "total_mib", "peak_phase"}
     with pytest.raises(ParamError, match=r"--only: unknown technique\(s\) \['c'\]; techniques: baseline, a, b"):
         translation_study.run_only(p, ["c"])

@@ -30,6 +30,12 @@ The plugin adds the other two techniques, as options of the model:
   embedding tables and the output projection stay dense: each of their rows is one word's vector, so a sparse
   pattern would cut words rather than connections (the WRN recipe keeps its stem and classifier dense likewise).
 
+Beyond the paper, ``--activation-bits 2|4|8|16`` stores what autograd saves for the backward pass in fewer bits
+(``lowmem.techniques.compress``, ActNN's method, the WRN track's lever): the model's forward pass and the criterion's
+log-softmax run inside its ``saved_tensors_hooks``. The forward pass is unchanged; the gradients are those computed
+from the rounded activations. With ``--checkpoint-activations`` the layers' inputs, which fairseq's checkpoint saves,
+are packed, and what a layer recomputes in the backward pass is kept as it is; so checkpointing is no longer exact.
+
 DSR rewires after optimizer steps, which a model cannot see, so ``lowmem_translation`` is fairseq's translation
 task with ``optimizer_step`` extended by one call. DSR's state (threshold, step, random stream) travels in the
 model's state dict, so fairseq's own checkpoints resume it.
@@ -53,7 +59,7 @@ from fairseq.optim.adam import FairseqAdamConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
-from lowmem.techniques import optimizers, sparse_linear, sparsity
+from lowmem.techniques import compress, optimizers, sparse_linear, sparsity
 
 ARCH = "lowmem_lightconv_iwslt_de_en"
 TASK = "lowmem_translation"
@@ -110,6 +116,7 @@ class LowmemLightConvModel(LightConvModel):
 
     dsr: sparsity.DSR | None = None
     precision: str = "fp32"  # --precision, set by build_model
+    activation_bits: int = 0  # --activation-bits, set by build_model; 0: saved tensors kept as they are
 
     @staticmethod
     def add_args(parser: Any) -> None:
@@ -134,6 +141,12 @@ class LowmemLightConvModel(LightConvModel):
                                  "activations, fp32 weights, gradients and Adam state); half-bf16 casts the model (bf16 weights "
                                  "and gradients; add --optimizer lowmem_adamw for bf16 Adam state too). Less memory, at the cost "
                                  "of rounding in every op; for CUDA fp16 use --fp16")
+        parser.add_argument("--activation-bits", type=int, choices=(0, *compress.BITS), metavar="BITS",
+                            help="beyond the paper: store what autograd saves for the backward pass (each layer's activations, "
+                                 "the loss's log-probabilities; with --checkpoint-activations, the layers' inputs) in "
+                                 f"{', '.join(map(str, compress.BITS))} bits, per group of {compress.GROUP} values a minimum and a "
+                                 "step (ActNN's method), instead of 32 (0: off, the default). Less activation memory, at the cost "
+                                 "of gradients computed from rounded activations and a pack and unpack of each saved tensor")
 
     @classmethod
     def build_model(cls, args: Any, task: Any) -> LowmemLightConvModel:
@@ -150,6 +163,7 @@ class LowmemLightConvModel(LightConvModel):
         base = LightConvModel.build_model(args, task)
         model = cls(base.encoder, base.decoder)
         model.precision = args.precision
+        model.activation_bits = args.activation_bits
         if args.sparsity > 0:
             layers = sparse_linear.sparsify(model, sparse_candidates(model), args.sparsity, args.sparse_method, seed=getattr(args, "seed", 1))
             total = getattr(args, "max_update", 0)
@@ -169,11 +183,19 @@ class LowmemLightConvModel(LightConvModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Autocast around the whole model (embeddings and the output projection, the largest matmul, included);
         # the layers carry their own for checkpointing's recomputation. Generation calls encoder and decoder
-        # directly, so a mixed-bf16 model translates in fp32.
-        if self.precision != "mixed-bf16":
-            return super().forward(*args, **kwargs)  # autocast refuses the meta device even when disabled
-        with torch.autocast(next(self.parameters()).device.type, dtype=torch.bfloat16):
-            return super().forward(*args, **kwargs)
+        # directly, so a mixed-bf16 model translates in fp32. The compressing hooks are entered here, not around
+        # the backward pass: checkpointing's recomputation then saves its tensors as they are, as on the WRN track.
+        with compress.compressing(self.activation_bits):
+            if self.precision != "mixed-bf16":
+                return super().forward(*args, **kwargs)  # autocast refuses the meta device even when disabled
+            with torch.autocast(next(self.parameters()).device.type, dtype=torch.bfloat16):
+                return super().forward(*args, **kwargs)
+
+    def get_normalized_probs(self, net_output: Any, log_probs: bool, sample: Any = None) -> Any:
+        # The criterion takes the log-softmax outside forward; its output, saved for backward, is the update's
+        # largest activation (tokens x target vocabulary).
+        with compress.compressing(self.activation_bits):
+            return super().get_normalized_probs(net_output, log_probs, sample)
 
     def get_extra_state(self) -> dict[str, Any]:
         return self.dsr.state_dict() if self.dsr is not None else {}
@@ -197,6 +219,7 @@ def lowmem_lightconv_iwslt_de_en(args: Any) -> None:
     args.dsr_reallocate = getattr(args, "dsr_reallocate", default_reallocate_fraction())
     args.dsr_periods = getattr(args, "dsr_periods", "[100,200,400,800]")  # the WRN recipe's (paper notes)
     args.precision = getattr(args, "precision", None) or "fp32"
+    args.activation_bits = getattr(args, "activation_bits", None) or 0
     lightconv_iwslt_de_en(args)
 
 
