@@ -234,31 +234,51 @@ def widen_by_seed_noise(df: pd.DataFrame, noise: dict[str, Any] | None) -> pd.Da
     return df
 
 
+LEVERS_STAGES_DYNAMICCONV = ("translation_levers_train", "translation_activations_train")  # one machine each
+
+
 def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
-    """DynamicConv's combinations with a lever beyond the paper (``BEYOND_PAPER_DYNAMICCONV``), from stage
-    translation_levers_train (``metrics/translation_levers_train.json``): each trained technique's sacreBLEU change
-    against the baseline trained beside it on the same machine (paired bootstrap of the test set), its time per
-    update against that baseline, and its full-size memory from the sweep; a combination that differs from a trained
-    one only by checkpointing (exact by test) carries its quality. Empty without that file."""
-    path = Path(metrics_dir) / "translation_levers_train.json"
-    if not path.exists():
+    """DynamicConv's configurations with a lever beyond the paper, from stages translation_levers_train and
+    translation_activations_train (``metrics/<stage>.json``): each trained technique's sacreBLEU change against the
+    baseline trained beside it in the same study (paired bootstrap of the test set), and its time per update against
+    that baseline. A technique the sweep holds (8-bit Adam, a setting of the grid's precision) takes the sweep's
+    full-size memory, and a combination that differs from it only by checkpointing (exact by test) carries its
+    quality; one the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory
+    its own stage accounted, against that stage's baseline. An arm in both studies is the first one's. Empty without
+    either file."""
+    sweep = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
+    frames: list[pd.DataFrame] = []
+    for stage in LEVERS_STAGES_DYNAMICCONV:
+        path = Path(metrics_dir) / f"{stage}.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
+        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
+        mem = res.get("memory", {})
+        extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in set(sweep.name)]
+        if missing := [t for t in extra if t not in mem]:
+            raise ValueError(f"{path}: {missing} are not in the DynamicConv sweep and the stage recorded no memory for them: "
+                             f"rerun stage {stage}")
+        df = pd.concat([df, pd.DataFrame([{"name": t, "config": json.dumps({"options": t}), **mem[t],
+                                           "reduction": mem["baseline"]["total_mib"] / mem[t]["total_mib"]} for t in extra])],
+                       ignore_index=True)
+        for col in ("quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"):
+            df[col] = float("nan")
+        df["quality_from"] = ""
+        for r in res["trained"]:
+            i = df.index[df.name == r["technique"]]
+            df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]] = [
+                r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1, res["time_ratio"].get(r["technique"], np.nan)]
+            df.loc[i, "quality_from"] = f"stage {stage}"
+        _exact_fill(df, "dynamicconv", EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+        df = df[df.quality_change.notna()].reset_index(drop=True)
+        df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], stage
+        df["machine"] = res.get("machine", "not recorded")
+        frames.append(df)
+    if not frames:
         return pd.DataFrame()
-    res = json.loads(path.read_text())
-    df = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
-    df = df[df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
-    for col in ("quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"):
-        df[col] = float("nan")
-    df["quality_from"] = ""
-    for r in res["trained"]:
-        i = df.index[df.name == r["technique"]]
-        df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]] = [
-            r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1, res["time_ratio"].get(r["technique"], np.nan)]
-        df.loc[i, "quality_from"] = "stage translation_levers_train"
-    _exact_fill(df, "dynamicconv", EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
-    df = df[df.quality_change.notna()].reset_index(drop=True)
-    df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], "translation_levers_train"
-    df["machine"] = res.get("machine", "not recorded")
-    return df
+    out = pd.concat(frames, ignore_index=True)
+    return out[~out.name.duplicated()].reset_index(drop=True)
 
 
 def paper_reference(path: Path = REFERENCE) -> dict[str, Any]:
@@ -412,10 +432,11 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
         if set(b.profile) != {profile[t]}:
             raise ValueError(f"{t}: the levers beyond the paper trained at profile {sorted(set(b.profile))}, the combinations at "
                              f"{profile[t]!r}: rerun both at one profile")
-    levers_dc = metrics_dir / "translation_levers_train.json"
-    if levers_dc.exists() and (n := json.loads(levers_dc.read_text())["max_update"]) != dc_run["max_update"]:
-        raise ValueError(f"stage translation_levers_train trained {n} updates but stage 08's baseline "
-                         f"{dc_run['max_update']}: rerun both at one length")
+    for stage in LEVERS_STAGES_DYNAMICCONV:
+        levers_dc = metrics_dir / f"{stage}.json"
+        if levers_dc.exists() and (n := json.loads(levers_dc.read_text())["max_update"]) != dc_run["max_update"]:
+            raise ValueError(f"stage {stage} trained {n} updates but stage 08's baseline "
+                             f"{dc_run['max_update']}: rerun both at one length")
     best_beyond = {t: pd.concat([best_within(pd.concat([res[t], b], ignore_index=True), budgets[t], rule=rule)
                                  for rule in RULES], ignore_index=True) for t, b in beyond.items()}
     return Study(results=res, budgets=budgets, best=best, trained_on=trained_on, reference=paper_reference(),
@@ -452,8 +473,9 @@ FRONTIER_CAPTION = (
     "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
     "activations, a dimension of the grid, trained alone and in the search's picks beside the same baseline and timed "
     "by the same sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
-    "those runs. DynamicConv: 8-bit Adam moments, one seed beside its own baseline, its interval as the other "
-    "DynamicConv points', timed by those runs. One machine per study; a white star is the exact twin of a trained one.")
+    "those runs. DynamicConv: 8-bit Adam moments and compressed activations, one seed beside each study's own "
+    "baseline, their intervals as the other DynamicConv points', timed by those runs. One machine per study; a white "
+    "star is the exact twin of a trained one.")
 
 
 def figure(s: Study) -> Figure:

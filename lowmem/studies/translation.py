@@ -10,8 +10,9 @@ averaged (its sparse patterns move). The captions, figures, tables and metrics o
 
     python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE [--only NAME ...]
 
-``--only`` trains and times the named techniques and the baseline into a metrics file of their own (stage
-translation_levers_train, the levers beyond the paper): runs pair only within one file, one machine's.
+``--only`` trains and times the named techniques and the baseline into a metrics file of their own, with their
+full-size memory (stages translation_levers_train and translation_activations_train, the levers beyond the paper):
+runs pair only within one file, one machine's.
 """
 
 from __future__ import annotations
@@ -145,12 +146,17 @@ def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> di
 
 def run_only(p: TranslationTechniquesParams, only: list[str], data_dir: Path = translation.DATA) -> dict[str, Any]:
     """``run`` for the baseline and the techniques ``only``, with the CPU it ran on (``machine``): a study of its
-    own, since the same seed trains to another BLEU on another CPU, so runs pair only within one result."""
+    own, since the same seed trains to another BLEU on another CPU, so runs pair only within one result. With each
+    technique's full-size memory (``memory``, by category in MiB), so that a combination the DynamicConv grid does
+    not hold has its reduction beside its BLEU."""
     unknown = sorted(set(only) - set(p.techniques))
     if unknown:
         raise ParamError(f"--only: unknown technique(s) {unknown}; techniques: {', '.join(p.techniques)}")
     names = ["baseline", *[n for n in only if n != "baseline"]]
-    return {**run(dataclasses.replace(p, trained=names, timed=names), data_dir), "machine": quality.machine()}
+    mem = memory(dataclasses.replace(p, techniques={n: p.techniques[n] for n in names}, trained=names, timed=names))
+    cols = [*(f"{c}_mib" for c in CATEGORIES), "total_mib", "peak_phase"]
+    return {**run(dataclasses.replace(p, trained=names, timed=names), data_dir), "machine": quality.machine(),
+            "memory": {r["technique"]: {c: r[c] for c in cols} for r in mem.to_dict("records")}}
 
 
 @dataclasses.dataclass
