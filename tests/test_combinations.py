@@ -136,7 +136,7 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
 
     # Compressed activations are no setting of the grid: their stage accounts their memory itself, against its own
     # baseline, and checkpointing gives them no twin (it is not exact with packed activations).
-    mem = {"baseline": {"total_mib": 90.0, "activations_mib": 50.0},
+    mem = {"baseline": {"total_mib": 100.0, "activations_mib": 50.0},
            "activations-8+checkpoint": {"total_mib": 30.0, "activations_mib": 5.0}}
     packed = {"profile": "cpu", "machine": "CPU A", "time_ratio": {"baseline": 1.0, "activations-8+checkpoint": 1.6}, "memory": mem,
               "trained": [{"technique": "baseline", "sacrebleu_change": 0.0, "sacrebleu_change_low": 0.0, "sacrebleu_change_high": 0.0},
@@ -146,11 +146,16 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
     rows = frontier.beyond_rows_dynamicconv(tmp_path, tmp_path).set_index("name")
     assert list(rows.index) == ["adamw-8bit+update-freq-4", "adamw-8bit+update-freq-4+checkpoint", "activations-8+checkpoint"]
     act = rows.loc["activations-8+checkpoint"]
-    assert (act.reduction, act.activations_mib, act.quality_change, act.quality_high, act.time_ratio) == (3.0, 5.0, -0.2, 0.2, 1.6)
+    assert (act.reduction, act.activations_mib, act.quality_change, act.quality_high, act.time_ratio) == (100 / 30, 5.0, -0.2, 0.2, 1.6)
     assert act.study == "translation_activations_train" and act.quality_from == "stage translation_activations_train"
+    mem["baseline"]["total_mib"] = 90.0  # another recipe than the sweep's: the reductions would not compare
+    (tmp_path / "translation_activations_train.json").write_text(json.dumps(packed))
+    with pytest.raises(ValueError, match="its baseline's memory differs from the DynamicConv sweep's"):
+        frontier.beyond_rows_dynamicconv(tmp_path, tmp_path)
     del packed["memory"]
     (tmp_path / "translation_activations_train.json").write_text(json.dumps(packed))
-    with pytest.raises(ValueError, match=r"\['activations-8\+checkpoint'\] are not in the DynamicConv sweep .* rerun stage translation_activations_train"):
+    with pytest.raises(ValueError, match=r"no full-size memory recorded for \['activations-8\+checkpoint', 'baseline'\], needed for "
+                                         r"\['activations-8\+checkpoint'\], which the DynamicConv sweep does not hold: rerun stage translation_activations_train"):
         frontier.beyond_rows_dynamicconv(tmp_path, tmp_path)
 
 

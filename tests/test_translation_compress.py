@@ -19,6 +19,7 @@ from test_translation_techniques import NO_DROPOUT, PLUGIN, batch, data, trainer
 SRC, TGT = 50, 40  # vocabularies of the tiny accounted model
 TOKENS, LENGTH = 256, 16  # 16 sentences of 16 tokens
 TINY_ACCOUNTED = [*TINY_MODEL[2:], *PLUGIN, "--arch", ARCH, "--dropout", "0.1"]
+EMBED = int(TINY_MODEL[TINY_MODEL.index("--encoder-embed-dim") + 1])
 
 
 def _loss_and_gradients(data: Path, bits: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -46,7 +47,7 @@ def test_the_loss_is_unchanged_and_the_gradient_error_grows_as_the_bits_fall(dat
     assert errors[8] < 0.05, errors  # 8 bits: gradients within a few percent of the plain ones
 
 
-def test_the_criterions_log_probabilities_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_criterions_log_probabilities_and_the_checkpointed_layer_inputs_are_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The log-softmax over the target vocabulary runs in the criterion, outside the model's forward; it is the
     update's largest saved activation and must be packed as well."""
     shapes = []
@@ -57,6 +58,10 @@ def test_the_criterions_log_probabilities_are_packed(monkeypatch: pytest.MonkeyP
     shapes.clear()
     translation_memory.account(TINY_ACCOUNTED, SRC, TGT, tokens=TOKENS, length=LENGTH)
     assert shapes == []  # off: nothing packed
+    # With checkpointing, what fairseq's checkpoint keeps of each layer, its input (time x batch x channels), is
+    # packed as well (the plugin's hooks are active when checkpoint saves it).
+    translation_memory.account([*TINY_ACCOUNTED, "--activation-bits", "8", "--checkpoint-activations"], SRC, TGT, tokens=TOKENS, length=LENGTH)
+    assert (LENGTH, TOKENS // LENGTH, EMBED) in shapes
 
 
 @pytest.mark.parametrize("options", [["--activation-bits", "8"], ["--activation-bits", "2"], ["--activation-bits", "16"],

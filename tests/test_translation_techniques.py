@@ -89,6 +89,8 @@ def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: 
     assert [int(x["num_updates"]) for x in records if x["kind"] == "train_inner"] == [3, 6]
     state = torch.load(tmp_path / "checkpoint_last.pt", weights_only=False)
     assert state["cfg"]["model"].arch == ARCH
+    if "--activation-bits" in options:  # the option reached the model, not only the parser
+        assert state["cfg"]["model"].activation_bits == int(options[options.index("--activation-bits") + 1])
 
 
 def test_fp16_with_dsr_is_refused_with_what_to_do(data: Path) -> None:

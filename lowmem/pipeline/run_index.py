@@ -10,10 +10,11 @@ what shows that moving code between modules keeps every key.
 
 It reads what the training stages recorded (each run's key and whether that stage trained it) and each run's
 ``key.json`` in the run store. A key that two stages of this checkout's pipeline (``data/results``) report as
-trained fails the stage: the store exists so that this never happens. The stages left out of ``make repro`` keep
-only their committed metrics, which say what they trained in the run store where they ran, often another machine's
-and never a fresh clone's; so a default stage of a fresh clone that trains one of their runs again, in a store of
-its own, is listed beside them and is no second training in one store.
+trained fails the stage, and so does one that two left-out stages' committed metrics report: the store exists so
+that this never happens. The stages left out of ``make repro`` keep only their committed metrics, which say what
+they trained in the run store where they ran, often another machine's and never a fresh clone's; so a default stage
+of a fresh clone that trains one of their runs again, in a store of its own, is listed beside them and is no second
+training in one store.
 """
 
 from __future__ import annotations
@@ -80,18 +81,19 @@ def _describe(key: str) -> dict[str, Any]:
 
 def index(results: Path, metrics: Path) -> dict[str, Any]:
     table: dict[str, dict[str, Any]] = {}
-    here: dict[str, list[str]] = {}  # key: the stages of this checkout's pipeline that trained it
+    claims: dict[tuple[str, bool], list[str]] = {}  # (key, recorded by this checkout's pipeline): stages that trained it
     for stage, key, trained, ours in _uses(results, metrics):
         row = table.setdefault(key, {"key": key, "stages": [], "trained_by": []})
         if stage not in row["stages"]:
             row["stages"].append(stage)
         if trained:
             row["trained_by"].append(stage)
-            if ours:
-                here.setdefault(key, []).append(stage)
-    twice = {k: stages for k, stages in here.items() if len(stages) > 1}
+            claims.setdefault((key, ours), []).append(stage)
+    # Two claims on one side are two trainings in one store: this pipeline's, or the one the left-out stages'
+    # committed metrics were written from (they run together, `make repro-all`). A claim on each side is not.
+    twice = {k: stages for (k, _), stages in claims.items() if len(stages) > 1}
     if twice:
-        raise RuntimeError(f"runs trained by more than one stage of this pipeline: {twice}")
+        raise RuntimeError(f"runs trained by more than one stage of this pipeline or of the left-out stages: {twice}")
     rows = [{**r, **_describe(k)} for k, r in table.items()]
     # trained_by: the stages whose latest run trained it (a left-out stage's in the store where it ran); empty when
     # an earlier run of the pipeline did.

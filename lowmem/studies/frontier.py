@@ -246,19 +246,23 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     quality; one the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory
     its own stage accounted, against that stage's baseline. An arm in both studies is the first one's. Empty without
     either file."""
-    sweep = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
     frames: list[pd.DataFrame] = []
     for stage in LEVERS_STAGES_DYNAMICCONV:
         path = Path(metrics_dir) / f"{stage}.json"
         if not path.exists():
             continue
         res = json.loads(path.read_text())
+        sweep = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
         df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
         mem = res.get("memory", {})
         extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in set(sweep.name)]
-        if missing := [t for t in extra if t not in mem]:
-            raise ValueError(f"{path}: {missing} are not in the DynamicConv sweep and the stage recorded no memory for them: "
-                             f"rerun stage {stage}")
+        if missing := [t for t in [*extra, "baseline"] if extra and t not in mem]:
+            raise ValueError(f"{path}: no full-size memory recorded for {missing}, needed for {extra}, which the DynamicConv "
+                             f"sweep does not hold: rerun stage {stage}")
+        if extra and not np.isclose(mem["baseline"]["total_mib"], sweep.loc[sweep.name == "baseline", "total_mib"].iloc[0]):
+            # Reductions against two baselines would not compare: the sweep and the stage account the same command.
+            raise ValueError(f"{path}: its baseline's memory differs from the DynamicConv sweep's: rerun stage {stage} "
+                             "and the sweep (dvc repro combinations_sweep_dynamicconv) with the same recipe")
         df = pd.concat([df, pd.DataFrame([{"name": t, "config": json.dumps({"options": t}), **mem[t],
                                            "reduction": mem["baseline"]["total_mib"] / mem[t]["total_mib"]} for t in extra])],
                        ignore_index=True)

@@ -29,8 +29,8 @@ EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_c
 EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16", "adamw-8bit")
 # Fields of lowmem.techniques.step.Techniques that are levers beyond the paper, with their 'off' values.
 BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
-# DynamicConv's levers beyond the paper: settings of the grid's precision dimension (what the training state is
-# stored in), named as stage 08's techniques.
+# DynamicConv's levers beyond the paper that its grid holds: settings of the precision dimension (what the training
+# state is stored in), named as stage 08's techniques. Compressed activations are beside the grid (frontier.py).
 BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit",)
 
 
