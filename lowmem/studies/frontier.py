@@ -246,16 +246,17 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     quality; one the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory
     its own stage accounted, against that stage's baseline. An arm in both studies is the first one's. Empty without
     either file."""
+    paths = {st: p for st in LEVERS_STAGES_DYNAMICCONV if (p := Path(metrics_dir) / f"{st}.json").exists()}
+    if not paths:
+        return pd.DataFrame()
+    sweep = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
+    in_sweep = set(sweep.name)
     frames: list[pd.DataFrame] = []
-    for stage in LEVERS_STAGES_DYNAMICCONV:
-        path = Path(metrics_dir) / f"{stage}.json"
-        if not path.exists():
-            continue
+    for stage, path in paths.items():
         res = json.loads(path.read_text())
-        sweep = pd.read_csv(Path(sweep_dir) / "dynamicconv_sweep.csv")
         df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
         mem = res.get("memory", {})
-        extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in set(sweep.name)]
+        extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in in_sweep]
         if missing := [t for t in [*extra, "baseline"] if extra and t not in mem]:
             raise ValueError(f"{path}: no full-size memory recorded for {missing}, needed for {extra}, which the DynamicConv "
                              f"sweep does not hold: rerun stage {stage}")
@@ -279,8 +280,6 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
         df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], stage
         df["machine"] = res.get("machine", "not recorded")
         frames.append(df)
-    if not frames:
-        return pd.DataFrame()
     out = pd.concat(frames, ignore_index=True)
     return out[~out.name.duplicated()].reset_index(drop=True)
 
