@@ -161,3 +161,6 @@ def test_a_missing_library_stops_before_any_compute_naming_what_to_install(monke
         Techniques(optimizer="bnb-sgd8bit")
     with pytest.raises(ValueError, match="lowmem_adamw8bit\\) needs bitsandbytes, which is not installed: `make setup`"):
         optimizers.adamw8bit([nn.Parameter(torch.zeros(2))], lr=1e-3)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optimi" else real(name, *a))
+    with pytest.raises(ValueError, match="lowmem_adamw_kahan\\) needs torch-optimi, which is not installed: `make setup`"):
+        optimizers.adamw_kahan([nn.Parameter(torch.zeros(2))], lr=1e-3)

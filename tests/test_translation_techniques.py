@@ -76,7 +76,9 @@ def batch(task, indices: list[int]) -> dict:  # type: ignore[no-untyped-def]
     # (mixed-bf16 trains through fairseq's Trainer in the gradient test below)
     ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.8", "--dsr-periods", "[2,2,2,2]"],
     ["--activation-bits", "4", "--checkpoint-activations", "--update-freq", "2", "--max-tokens", "500"],
-], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr", "half-bf16+adamw+dsr", "activations-4+checkpoint+update-freq"])
+    ["--precision", "half-bf16", "--optimizer", "lowmem_adamw_kahan", "--checkpoint-activations", "--update-freq", "2", "--max-tokens", "500"],
+], ids=["dsr", "checkpoint+static", "update-freq", "memory-efficient-fp16+dsr", "half-bf16+adamw+dsr", "activations-4+checkpoint+update-freq",
+        "all-bf16-kahan+checkpoint+update-freq"])
 def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: list[str], tmp_path: Path) -> None:
     args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
             "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
@@ -91,6 +93,11 @@ def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: 
     assert state["cfg"]["model"].arch == ARCH
     if "--activation-bits" in options:  # the option reached the model, not only the parser
         assert state["cfg"]["model"].activation_bits == int(options[options.index("--activation-bits") + 1])
+    if "lowmem_adamw_kahan" in options:
+        # optimi's state with a compensation tensor, which it keeps only for 16-bit weights (None in fp32; fairseq
+        # saves 16-bit tensors as fp32, and loading casts them back to the parameters' dtype)
+        saved = state["last_optimizer_state"]["state"]
+        assert saved and all(isinstance(st["kahan_comp"], torch.Tensor) for st in saved.values())
 
 
 def test_fp16_with_dsr_is_refused_with_what_to_do(data: Path) -> None:
@@ -116,8 +123,8 @@ def test_update_freq_gives_the_gradients_of_one_large_batch(data: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [[], ["--precision", "mixed-bf16"], ["--precision", "half-bf16", "--optimizer", "lowmem_adamw", "--sparsity", "0.9"],
-                                     ["--optimizer", "lowmem_adamw8bit", *WIDER]],
-                         ids=["fp32", "mixed-bf16", "all-bf16+sparse", "adamw-8bit"])
+                                     ["--optimizer", "lowmem_adamw8bit", *WIDER], ["--precision", "half-bf16", "--optimizer", "lowmem_adamw_kahan"]],
+                         ids=["fp32", "mixed-bf16", "all-bf16+sparse", "adamw-8bit", "all-bf16-kahan"])
 def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(data: Path, options: list[str]) -> None:
     """What makes DynamicConv's checkpointing exact in the combination study (quality_model.EXACT_DYNAMICCONV): the
     same loss and gradients, and so the same parameters after the optimizer's step."""
@@ -135,6 +142,8 @@ def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(d
             assert torch.equal(a, b), name
     if "lowmem_adamw8bit" in options:  # the step that was compared is the 8-bit one
         assert any(s["state1"].dtype == torch.uint8 for s in ckpt.optimizer.optimizer.state.values())
+    if "lowmem_adamw_kahan" in options:  # and the compensated one
+        assert all(s["kahan_comp"].dtype == torch.bfloat16 for s in ckpt.optimizer.optimizer.state.values())
 
 
 @pytest.mark.slow
@@ -445,6 +454,64 @@ def test_each_8bit_adamw_step_is_fp32_adamw_from_the_moments_as_stored_and_store
         assert torch.equal(w.detach(), w0.mul(1 - lr * wd).addcdiv_(m_exact, denom, value=-lr / (1 - b1**step)))
         m_got, v_got = moments(s)
         assert ((m_got - m_exact).abs() <= bound(s, 1)).all() and ((v_got - v_exact).abs() <= bound(s, 2)).all()
+
+
+def test_the_accountant_counts_the_kahan_compensation_as_optimizer_state() -> None:
+    """All-bf16 with optimi's AdamW: two bf16 moments and a bf16 compensation per weight, 6 bytes, and no step
+    tensors (optimi counts steps per group); the plugin's all-bf16 AdamW keeps two bf16 moments and an fp32 step
+    per parameter. Everything else is the same at full size."""
+    plugin = [*FULL, *PLUGIN, "--arch", ARCH, "--precision", "half-bf16"]
+    model, _ = translation_memory.build(plugin, 8848, 6632)
+    used = [p.numel() for name, p in model.named_parameters() if not name.endswith("conv_bias")]
+    plain = translation_memory.account([*plugin, "--optimizer", "lowmem_adamw"], 8848, 6632, tokens=4000, length=32)
+    kahan = translation_memory.account([*plugin, "--optimizer", "lowmem_adamw_kahan"], 8848, 6632, tokens=4000, length=32)
+    assert plain.category_max["optimizer"] == 2 * 2 * sum(used) + 4 * len(used)
+    assert kahan.category_max["optimizer"] == 3 * 2 * sum(used)
+    assert {c: kahan.category_max[c] for c in ("model", "gradients", "activations")} == {c: plain.category_max[c] for c in ("model", "gradients", "activations")}
+
+
+def test_kahan_adamw_in_fp32_is_the_plugins_adamw_to_rounding() -> None:
+    """In fp32 optimi adds no compensation, so the lever differs from all-bf16's optimizer by Kahan summation alone."""
+    from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamWConfig, LowmemAdamWKahan, LowmemAdamWKahanConfig
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    b.load_state_dict(a.state_dict())
+    opts = [LowmemAdamW(LowmemAdamWConfig(lr=[1e-2], weight_decay=1e-2), a.parameters()),
+            LowmemAdamWKahan(LowmemAdamWKahanConfig(lr=[1e-2], weight_decay=1e-2), b.parameters())]
+    for i in range(20):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        for m, opt in zip((a, b), opts):
+            opt.zero_grad()
+            m(x).pow(2).mean().backward()
+            opt.step()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)  # 20 steps of lr 1e-2 moved them by about 0.2
+    assert opts[1].optimizer.state[b.weight]["kahan_comp"] is None
+
+
+def test_kahan_adamw_in_bf16_follows_fp32_where_bf16_adamw_loses_every_step() -> None:
+    """Weights near 1 moved by about 1e-4 per step, under half of bf16's spacing there (2^-7): the plugin's all-bf16
+    AdamW rounds every step away and never moves, while the compensated one stays within one bf16 spacing of the
+    same AdamW in fp32 after 200 steps (which has moved by about 0.02, nearly three spacings)."""
+    from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamWConfig, LowmemAdamWKahan, LowmemAdamWKahanConfig
+
+    w0 = 1 + torch.rand(256, generator=torch.Generator().manual_seed(0)) / 8
+    ws = [torch.nn.Parameter(w0.to(dt).float() if dt == torch.float32 else w0.to(dt)) for dt in (torch.float32, torch.bfloat16, torch.bfloat16)]
+    ws[0].data = ws[1].detach().float()  # the same start, exactly representable in bf16
+    cfg = dict(lr=[1e-4], weight_decay=0.0)
+    opts = [LowmemAdamW(LowmemAdamWConfig(**cfg), [ws[0]]), LowmemAdamW(LowmemAdamWConfig(**cfg), [ws[1]]),
+            LowmemAdamWKahan(LowmemAdamWKahanConfig(**cfg), [ws[2]])]
+    for step in range(200):
+        g = torch.randn(256, generator=torch.Generator().manual_seed(step)).abs() + 0.5  # one sign: the moves add up
+        for w, opt in zip(ws, opts):
+            w.grad = g.to(w.dtype)
+            opt.step()
+    fp32, plain, kahan = (w.detach().float() for w in ws)
+    spacing = 2.0 ** -7  # bf16's in [1, 2)
+    assert (ws[0].detach() - ws[1].detach().float()).abs().min() > 2 * spacing  # fp32 moved by more than two spacings
+    assert torch.equal(plain, ws[1].detach().float()) and torch.equal(plain, w0.to(torch.bfloat16).float())  # never moved
+    assert ((kahan - fp32).abs() <= spacing).all()
 
 
 @pytest.mark.slow

@@ -36,6 +36,10 @@ log-softmax run inside its ``saved_tensors_hooks``. The forward pass is unchange
 from the rounded activations. With ``--checkpoint-activations`` the layers' inputs, which fairseq's checkpoint saves,
 are packed, and what a layer recomputes in the backward pass is kept as it is; so checkpointing is no longer exact.
 
+Also beyond the paper, ``--optimizer lowmem_adamw_kahan`` (torch-optimi's AdamW) keeps, under ``--precision
+half-bf16``, a bf16 Kahan compensation per weight, so that updates smaller than bf16's spacing are not rounded away:
+all-bf16 without the rounding loss, at one more bf16 copy of the weights.
+
 DSR rewires after optimizer steps, which a model cannot see, so ``lowmem_translation`` is fairseq's translation
 task with ``optimizer_step`` extended by one call. DSR's state (threshold, step, random stream) travels in the
 model's state dict, so fairseq's own checkpoints resume it.
@@ -65,6 +69,7 @@ ARCH = "lowmem_lightconv_iwslt_de_en"
 TASK = "lowmem_translation"
 OPTIMIZER = "lowmem_adamw"
 OPTIMIZER_8BIT = "lowmem_adamw8bit"
+OPTIMIZER_KAHAN = "lowmem_adamw_kahan"
 PRECISIONS = ("fp32", "mixed-bf16", "half-bf16")
 
 
@@ -279,3 +284,21 @@ class LowmemAdamW8bit(LowmemAdamW):
     def __init__(self, cfg: LowmemAdamW8bitConfig, params: Any) -> None:
         FairseqOptimizer.__init__(self, cfg)
         self._optimizer = optimizers.adamw8bit(params, **self.optimizer_config)
+
+
+@dataclass
+class LowmemAdamWKahanConfig(FairseqAdamConfig):
+    pass
+
+
+@register_optimizer(OPTIMIZER_KAHAN, dataclass=LowmemAdamWKahanConfig)
+class LowmemAdamWKahan(LowmemAdamW):
+    """A lever beyond the paper: ``lowmem_adamw``'s update by torch-optimi's AdamW, which under ``--precision
+    half-bf16`` keeps per weight the part of each update that bf16 rounding dropped (a bf16 compensation buffer,
+    Kahan summation) and adds it back at the next step. The moments stay in the parameters' dtype, as
+    ``lowmem_adamw``'s. In fp32 optimi adds no buffer and is torch's AdamW to rounding. Used as the others:
+    ``--optimizer lowmem_adamw_kahan``."""
+
+    def __init__(self, cfg: LowmemAdamWKahanConfig, params: Any) -> None:
+        FairseqOptimizer.__init__(self, cfg)
+        self._optimizer = optimizers.adamw_kahan(params, **self.optimizer_config)

@@ -214,8 +214,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
         chosen.append({"name": n, "role": role})
     pool = memory[~memory.name.isin([c["name"] for c in chosen])]
     if p.task == "dynamicconv":
-        # The levels are the paper's levers': levers beyond it train in stages translation_levers_train and
-        # translation_activations_train.
+        # The levels are the paper's levers': levers beyond it train in stages translation_levers_train,
+        # translation_activations_train and translation_kahan_train.
         pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~pool.precision.isin(BEYOND_PAPER_DYNAMICCONV)]
     for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]

@@ -234,18 +234,18 @@ def widen_by_seed_noise(df: pd.DataFrame, noise: dict[str, Any] | None) -> pd.Da
     return df
 
 
-LEVERS_STAGES_DYNAMICCONV = ("translation_levers_train", "translation_activations_train")  # one machine each
+LEVERS_STAGES_DYNAMICCONV = ("translation_levers_train", "translation_activations_train", "translation_kahan_train")  # one machine each
 
 
 def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
-    """DynamicConv's configurations with a lever beyond the paper, from stages translation_levers_train and
-    translation_activations_train (``metrics/<stage>.json``): each trained technique's sacreBLEU change against the
-    baseline trained beside it in the same study (paired bootstrap of the test set), and its time per update against
-    that baseline. A technique the sweep holds (8-bit Adam, a setting of the grid's precision) takes the sweep's
-    full-size memory, and a combination that differs from it only by checkpointing (exact by test) carries its
-    quality; one the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory
-    its own stage accounted, against that stage's baseline. An arm in both studies is the first one's. Empty without
-    either file."""
+    """DynamicConv's configurations with a lever beyond the paper, from stages ``LEVERS_STAGES_DYNAMICCONV``
+    (``metrics/<stage>.json``): each trained technique's sacreBLEU change against the baseline trained beside it in
+    the same study (paired bootstrap of the test set), and its time per update against that baseline. A technique
+    the sweep holds (8-bit Adam or Kahan's all-bf16, settings of the grid's precision) takes the sweep's full-size
+    memory, and a combination that differs from it only by checkpointing (exact by test) carries its quality; one
+    the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory its own
+    stage accounted, against that stage's baseline. An arm in two studies is the first one's. Empty without any of
+    the files."""
     paths = {st: p for st in LEVERS_STAGES_DYNAMICCONV if (p := Path(metrics_dir) / f"{st}.json").exists()}
     if not paths:
         return pd.DataFrame()

@@ -26,12 +26,13 @@ EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equa
 # DynamicConv's --checkpoint-activations, by fairseq's own Trainer stepping with and without it (dropout on), in the
 # precisions the tests cover: a twin in another precision (fairseq's fp16, which trains only on a GPU) is not filled.
 EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on"}
-EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16", "adamw-8bit")
+EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16", "adamw-8bit", "all-bf16-kahan")
 # Fields of lowmem.techniques.step.Techniques that are levers beyond the paper, with their 'off' values.
 BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
 # DynamicConv's levers beyond the paper that its grid holds: settings of the precision dimension (what the training
-# state is stored in), named as stage 08's techniques. Compressed activations are beside the grid (frontier.py).
-BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit",)
+# state is stored in), named as stage 08's techniques: 8-bit Adam moments, and all-bf16 with a Kahan-compensated
+# AdamW. Compressed activations are beside the grid (frontier.py).
+BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit", "all-bf16-kahan")
 
 
 def dims(task: str) -> tuple[str, ...]:

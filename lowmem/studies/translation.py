@@ -11,7 +11,8 @@ averaged (its sparse patterns move). The captions, figures, tables and metrics o
     python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE [--only NAME ...]
 
 ``--only`` trains and times the named techniques and the baseline into a metrics file of their own, with their
-full-size memory (stages translation_levers_train and translation_activations_train, the levers beyond the paper):
+full-size memory (stages translation_levers_train, translation_activations_train and translation_kahan_train, the
+levers beyond the paper):
 runs pair only within one file, one machine's.
 """
 

@@ -19,6 +19,10 @@ next step. torch-optimi's optimizers do this on the CPU (``kahan_sum``, on by de
   to fp32, updates it and quantizes it back. bitsandbytes' CPU kernel does that in plain torch ops, so it runs here
   (torchao's 8-bit optimizers are Adam only, which is DynamicConv's, not the WRN recipe's SGD).
 
+DynamicConv's counterpart of ``optimi-sgd`` is ``adamw_kahan`` (the fairseq plugin's ``lowmem_adamw_kahan``):
+torch-optimi's AdamW, with Kahan summation where the parameters are 16-bit. In fp32 it is torch's AdamW (tested to
+rounding), so under ``--precision half-bf16`` it differs from the plugin's all-bf16 AdamW by the compensation alone.
+
 Where the state is block-quantized, DSR cannot move single momentum values between positions as codes: ``realign``
 dequantizes, moves and requantizes them.
 """
@@ -88,6 +92,17 @@ def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Opt
     (the fairseq plugin's ``lowmem_adamw8bit``) and ``lowmem profile --optimizer adamw-8bit``'s."""
     _require("bitsandbytes", "bitsandbytes", "8-bit AdamW (adamw-8bit, the plugin's lowmem_adamw8bit)")
     return _on_cpu(bnb_optim().AdamW8bit, params, **options, min_8bit_size=MIN_8BIT_SIZE)
+
+
+def adamw_kahan(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
+    """torch-optimi's AdamW (decoupled weight decay, as torch's AdamW) with Kahan summation on wherever a parameter is
+    16-bit (optimi's default): per such parameter a compensation buffer in its dtype beside the two moments, all
+    three counted as optimizer state. In fp32 there is no buffer and the update is torch's AdamW to rounding."""
+    _require("optimi", "torch-optimi", "Kahan-compensated AdamW (the plugin's lowmem_adamw_kahan)")
+    import optimi
+
+    # foreach=False: one parameter at a time, as the accountant's meta tensors and the CPU run alike take it.
+    return optimi.AdamW(params, **options, foreach=False)
 
 
 def _on_cpu(cls: Any, params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
