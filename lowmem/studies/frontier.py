@@ -476,7 +476,7 @@ FRONTIER_CAPTION = (
     "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
     "activations, a dimension of the grid, trained alone and in the search's picks beside the same baseline and timed "
     "by the same sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
-    "those runs. DynamicConv: 8-bit Adam moments and compressed activations, one seed beside each study's own "
+    "those runs. DynamicConv: 8-bit Adam moments, compressed activations and Kahan-compensated all-bf16, one seed beside each study's own "
     "baseline, their intervals as the other DynamicConv points', timed by those runs. One machine per study; a white "
     "star is the exact twin of a trained one.")
 
@@ -531,15 +531,18 @@ def figure(s: Study) -> Figure:
         ax.text(ax.get_xlim()[1], ref["quality_change"], f"paper's budget ({ref['quality_change']:+g}) ", color="tab:blue",
                 fontsize=7, va="top", ha="right")
         # Numbers at the points and the names in a key under the axes: long names at crowded points overlap. Once
-        # the scales are set, a number whose point lies within a few pixels of one already numbered goes higher.
+        # the scales are set, a number whose box (in points: 5 per digit and 3 apart wide, 8 high) would overlap one already
+        # placed goes up a line until it is clear.
         labelled = pd.concat([t[t.pareto | t.role.str.startswith("search")], b])
-        key, placed = [], []
+        key, boxes = [], []
         for k, row in enumerate(labelled.itertuples(), start=1):
-            at = ax.transData.transform((row.reduction, row.quality_change))
-            near = sum(1 for q in placed if np.hypot(*(at - q)) < 14)
-            placed.append(at)
+            x, y = ax.transData.transform((row.reduction, row.quality_change)) * 72 / fig.dpi
+            box = [x + 4, x + 7 + 5 * len(str(k)), y + 4, y + 12]
+            while any(box[0] < b1 and b0 < box[1] and box[2] < c1 and c0 < box[3] for b0, b1, c0, c1 in boxes):
+                box[2:] = [box[2] + 9, box[3] + 9]
+            boxes.append(box)
             ax.annotate(str(k), (row.reduction, row.quality_change), textcoords="offset points",
-                        xytext=(4, 4 + 9 * near), fontsize=7, fontweight="bold")
+                        xytext=(4, box[2] - y), fontsize=7, fontweight="bold")
             key.append(f"{k}: {row.name} ({row.reduction:.1f}x, {row.quality_change:+.2f})")
         ax.text(0.0, -0.2, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=7)
         key_lines = max(key_lines, len(key))
