@@ -159,6 +159,21 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
         frontier.beyond_rows_dynamicconv(tmp_path, tmp_path)
 
 
+def test_every_committed_dynamicconv_arm_with_a_plugin_lever_beyond_the_paper_is_among_the_beyond_rows() -> None:
+    """A trained arm whose setting the sweep holds but ``quality_model.BEYOND_PAPER_DYNAMICCONV`` does not list would
+    drop out of the rows "the paper's and beyond" without an error; each levers stage's arms with one of the
+    plugin's options beyond the paper are all there."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    techniques = combinations.resolve_task("dynamicconv", {**params, "base": {**params["base"], "profile": "cpu"}}).translation["techniques"]
+    rows = frontier.beyond_rows_dynamicconv(ROOT / "data" / "combinations", ROOT / "metrics")
+    for stage in frontier.LEVERS_STAGES_DYNAMICCONV:
+        trained = json.loads((ROOT / "metrics" / f"{stage}.json").read_text())["trained"]
+        arms = [r["technique"] for r in trained
+                if {"lowmem_adamw8bit", "lowmem_adamw_kahan", "--activation-bits"} & set(techniques[r["technique"]])]
+        assert arms and set(arms) <= set(rows.name), stage
+        assert set(rows[rows.study == stage].name) >= set(arms) - set(rows[rows.study != stage].name)
+
+
 def test_one_seed_bleu_intervals_are_widened_by_the_noise_study_at_their_own_length_only(tmp_path: Path) -> None:
     scores = {600: [12.0, 13.0, 14.5], 1400: [23.0, 23.2, 22.9]}
     noise = {"profile": "cpu", "updates": [600, 1400], "machine": "CPU A",

@@ -130,15 +130,23 @@ def test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on(d
     same loss and gradients, and so the same parameters after the optimizer's step."""
     plain, task = trainer(data, ["--dropout", "0.3", *options])
     ckpt, _ = trainer(data, ["--dropout", "0.3", "--checkpoint-activations", *options])
+    grads: list[dict[str, torch.Tensor]] = []
+    for t in (plain, ckpt):  # the gradients as the step receives them: optimi's Kahan step uses .grad as scratch
+        def step(*args, _t=t, _step=t.optimizer.step, **kwargs):  # type: ignore[no-untyped-def]
+            grads.append({n: p.grad.clone() for n, p in _t.model.named_parameters() if p.grad is not None})
+            return _step(*args, **kwargs)
+        t.optimizer.step = step
     sample = batch(task, list(range(16)))
     torch.manual_seed(1)
     out_a = plain.train_step([sample])
     torch.manual_seed(1)
     out_b = ckpt.train_step([sample])  # the recompute must draw the same dropout masks
     assert out_a["loss"] == out_b["loss"]
+    assert len(grads) == 2 and grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        assert torch.equal(grads[0][name], grads[1][name]), name
     for (name, a), (_, b) in zip(plain.model.named_parameters(), ckpt.model.named_parameters()):
-        if a.grad is not None:
-            assert torch.equal(a.grad, b.grad), name
+        if name in grads[0]:
             assert torch.equal(a, b), name
     if "lowmem_adamw8bit" in options:  # the step that was compared is the 8-bit one
         assert any(s["state1"].dtype == torch.uint8 for s in ckpt.optimizer.optimizer.state.values())
@@ -492,26 +500,55 @@ def test_kahan_adamw_in_fp32_is_the_plugins_adamw_to_rounding() -> None:
 
 def test_kahan_adamw_in_bf16_follows_fp32_where_bf16_adamw_loses_every_step() -> None:
     """Weights near 1 moved by about 1e-4 per step, under half of bf16's spacing there (2^-7): the plugin's all-bf16
-    AdamW rounds every step away and never moves, while the compensated one stays within one bf16 spacing of the
-    same AdamW in fp32 after 200 steps (which has moved by about 0.02, nearly three spacings)."""
+    AdamW rounds every step away and never moves, and so does optimi's AdamW with the compensation off, while the
+    compensated one stays within one bf16 spacing of the same AdamW in fp32 after 200 steps (which has moved by
+    about 0.02, nearly three spacings). So what the lever adds to bf16 training is the compensation."""
     from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamWConfig, LowmemAdamWKahan, LowmemAdamWKahanConfig
 
-    w0 = 1 + torch.rand(256, generator=torch.Generator().manual_seed(0)) / 8
-    ws = [torch.nn.Parameter(w0.to(dt).float() if dt == torch.float32 else w0.to(dt)) for dt in (torch.float32, torch.bfloat16, torch.bfloat16)]
-    ws[0].data = ws[1].detach().float()  # the same start, exactly representable in bf16
+    start = (1 + torch.rand(256, generator=torch.Generator().manual_seed(0)) / 8).to(torch.bfloat16)
+    ws = [torch.nn.Parameter(start.float()), *(torch.nn.Parameter(start.clone()) for _ in range(3))]
     cfg = dict(lr=[1e-4], weight_decay=0.0)
     opts = [LowmemAdamW(LowmemAdamWConfig(**cfg), [ws[0]]), LowmemAdamW(LowmemAdamWConfig(**cfg), [ws[1]]),
             LowmemAdamWKahan(LowmemAdamWKahanConfig(**cfg), [ws[2]])]
+    opts.append(optimizers.adamw_kahan([ws[3]], **opts[2].optimizer_config, kahan_sum=False))
     for step in range(200):
         g = torch.randn(256, generator=torch.Generator().manual_seed(step)).abs() + 0.5  # one sign: the moves add up
         for w, opt in zip(ws, opts):
             w.grad = g.to(w.dtype)
             opt.step()
-    fp32, plain, kahan = (w.detach().float() for w in ws)
+    fp32, plain, kahan, uncompensated = (w.detach().float() for w in ws)
     spacing = 2.0 ** -7  # bf16's in [1, 2)
-    assert (ws[0].detach() - ws[1].detach().float()).abs().min() > 2 * spacing  # fp32 moved by more than two spacings
-    assert torch.equal(plain, ws[1].detach().float()) and torch.equal(plain, w0.to(torch.bfloat16).float())  # never moved
+    assert (fp32 - start.float()).abs().min() > 2 * spacing  # fp32 moved by more than two spacings
+    assert torch.equal(plain, start.float()) and torch.equal(uncompensated, start.float())  # never moved
     assert ((kahan - fp32).abs() <= spacing).all()
+
+
+@pytest.mark.slow
+def test_kahan_adamw_resumes_from_fairseqs_checkpoint_to_the_same_parameters(data: Path, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """fairseq saves 16-bit optimizer state as fp32 and torch casts it back on load, and optimi counts steps per
+    parameter group: two updates, a checkpoint, a new trainer and two more give the four-update run bit for bit."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # fairseq 0.12's checkpoints pickle its options
+    options = [*NO_DROPOUT, "--precision", "half-bf16", "--optimizer", "lowmem_adamw_kahan"]
+    straight, task = trainer(data, options)
+    samples = [batch(task, list(range(8 * i, 8 * i + 8))) for i in range(4)]
+    for s in samples:
+        straight.train_step([s])
+    first, _ = trainer(data, options)
+    for s in samples[:2]:
+        first.train_step([s])
+    first.consolidate_optimizer()  # as fairseq's checkpoint_utils.save_checkpoint does first
+    first.save_checkpoint(str(tmp_path / "checkpoint.pt"), {})
+    resumed, _ = trainer(data, options)
+    resumed.load_checkpoint(str(tmp_path / "checkpoint.pt"))
+    assert resumed.get_num_updates() == 2
+    for s in samples[2:]:
+        resumed.train_step([s])
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        if a.grad is not None:
+            assert torch.equal(a, b), name
+    state = resumed.optimizer.optimizer.state
+    assert state and all(s["kahan_comp"].dtype == torch.bfloat16 for s in state.values())
 
 
 @pytest.mark.slow

@@ -490,6 +490,9 @@ def figure(s: Study) -> Figure:
     fig, axes = plt.subplots(1, len(s.results), figsize=(16, 6.4), gridspec_kw={"wspace": 0.25})
     norm = plt.Normalize(0.5, 2.5)
     cmap = sns.color_palette("flare", as_cmap=True)
+    # Before anything is placed: the colour bar takes its width from the axes, which would move the labels' points.
+    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
+                 label="time per step / baseline (active profile)", shrink=0.8)
     key_lines = 0
     for ax, (task, r) in zip(axes, s.results.items()):
         t = r[r.quality_change.notna()].sort_values("reduction")
@@ -550,8 +553,6 @@ def figure(s: Study) -> Figure:
                title=f"{task}\n" + textwrap.fill(f"quality: {s.trained_on[task]}", 90))
         ax.title.set_fontsize(8)
         ax.legend(loc="lower left", fontsize=7)
-    fig.colorbar(plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax=axes,
-                 label="time per step / baseline (active profile)", shrink=0.8)
     # Under the longest key: a line of the key at 7 pt is about 0.019 of the figure's 6.4-inch height.
     fig.text(0.5, -0.1 - 0.019 * key_lines, textwrap.fill(FRONTIER_CAPTION, 180), ha="center", va="top", fontsize=8)
     return fig

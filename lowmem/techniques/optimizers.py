@@ -21,7 +21,9 @@ next step. torch-optimi's optimizers do this on the CPU (``kahan_sum``, on by de
 
 DynamicConv's counterpart of ``optimi-sgd`` is ``adamw_kahan`` (the fairseq plugin's ``lowmem_adamw_kahan``):
 torch-optimi's AdamW, with Kahan summation where the parameters are 16-bit. In fp32 it is torch's AdamW (tested to
-rounding), so under ``--precision half-bf16`` it differs from the plugin's all-bf16 AdamW by the compensation alone.
+rounding). In bf16 it differs from the plugin's all-bf16 AdamW by the compensation, and in how optimi keeps its
+moments (debiased, updated by ``lerp``), which rounds differently; with the compensation off it loses small updates
+as all-bf16's AdamW does (tested).
 
 Where the state is block-quantized, DSR cannot move single momentum values between positions as codes: ``realign``
 dequantizes, moves and requantizes them.
@@ -97,11 +99,13 @@ def adamw8bit(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Opt
 def adamw_kahan(params: Iterable[torch.Tensor], **options: Any) -> torch.optim.Optimizer:
     """torch-optimi's AdamW (decoupled weight decay, as torch's AdamW) with Kahan summation on wherever a parameter is
     16-bit (optimi's default): per such parameter a compensation buffer in its dtype beside the two moments, all
-    three counted as optimizer state. In fp32 there is no buffer and the update is torch's AdamW to rounding."""
+    three counted as optimizer state. In fp32 there is no buffer and the update is torch's AdamW to rounding. The
+    compensated step uses each ``.grad`` as scratch space, so whatever reads the gradients must do so before it."""
     _require("optimi", "torch-optimi", "Kahan-compensated AdamW (the plugin's lowmem_adamw_kahan)")
     import optimi
 
-    # foreach=False: one parameter at a time, as the accountant's meta tensors and the CPU run alike take it.
+    # foreach=False: foreach would hold every parameter's temporaries at once; one parameter at a time, as torch's
+    # AdamW steps on the CPU (lowmem_adamw), keeps the two levers' peaks comparable.
     return optimi.AdamW(params, **options, foreach=False)
 
 
