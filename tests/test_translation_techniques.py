@@ -409,16 +409,20 @@ def test_the_accountant_counts_8bit_adam_moments_at_their_real_bytes() -> None:
     assert {c: eight.at_peak[c] for c in ("model", "gradients", "activations")} == {c: fp32.at_peak[c] for c in ("model", "gradients", "activations")}
 
 
-def test_8bit_adamw_without_8bit_state_is_torch_adamw_to_rounding() -> None:
-    """Parameters under 4096 elements keep fp32 moments: then the plugin's 8-bit AdamW is its fp32 AdamW, to rounding
-    (bitsandbytes' fp32 kernel folds the bias corrections into the step and eps, torch divides first)."""
-    from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamW8bit, LowmemAdamW8bitConfig, LowmemAdamWConfig
+@pytest.mark.parametrize("lever", ["lowmem_adamw8bit", "lowmem_adamw_kahan"])
+def test_an_optimizer_lever_without_its_savings_is_the_plugins_adamw_to_rounding(lever: str) -> None:
+    """Without what each lever stores differently it is the plugin's fp32 AdamW, to rounding. 8-bit AdamW keeps fp32
+    moments for parameters under 4096 elements (bitsandbytes' fp32 kernel folds the bias corrections into the step
+    and eps, torch divides first); optimi's AdamW keeps no compensation for fp32 weights."""
+    from lowmem.dynamicconv import plugin
 
+    cls, config = {"lowmem_adamw8bit": (plugin.LowmemAdamW8bit, plugin.LowmemAdamW8bitConfig),
+                   "lowmem_adamw_kahan": (plugin.LowmemAdamWKahan, plugin.LowmemAdamWKahanConfig)}[lever]
     torch.manual_seed(0)
     a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
     b.load_state_dict(a.state_dict())
-    opts = [LowmemAdamW(LowmemAdamWConfig(lr=[1e-2], weight_decay=1e-2), a.parameters()),
-            LowmemAdamW8bit(LowmemAdamW8bitConfig(lr=[1e-2], weight_decay=1e-2), b.parameters())]
+    opts = [plugin.LowmemAdamW(plugin.LowmemAdamWConfig(lr=[1e-2], weight_decay=1e-2), a.parameters()),
+            cls(config(lr=[1e-2], weight_decay=1e-2), b.parameters())]
     for i in range(20):
         x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
         for m, opt in zip((a, b), opts):
@@ -427,8 +431,11 @@ def test_8bit_adamw_without_8bit_state_is_torch_adamw_to_rounding() -> None:
             opt.step()
     for pa, pb in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)  # 20 steps of lr 1e-2 moved them by about 0.2
-    assert isinstance(opts[1].optimizer.state[b.weight]["state1"], torch.Tensor)
-    assert opts[1].optimizer.state[b.weight]["state1"].dtype == torch.float32
+    state = opts[1].optimizer.state[b.weight]
+    if lever == "lowmem_adamw8bit":
+        assert isinstance(state["state1"], torch.Tensor) and state["state1"].dtype == torch.float32
+    else:
+        assert state["kahan_comp"] is None
 
 
 def test_each_8bit_adamw_step_is_fp32_adamw_from_the_moments_as_stored_and_stores_them_within_half_a_code() -> None:
@@ -476,26 +483,6 @@ def test_the_accountant_counts_the_kahan_compensation_as_optimizer_state() -> No
     assert plain.category_max["optimizer"] == 2 * 2 * sum(used) + 4 * len(used)
     assert kahan.category_max["optimizer"] == 3 * 2 * sum(used)
     assert {c: kahan.category_max[c] for c in ("model", "gradients", "activations")} == {c: plain.category_max[c] for c in ("model", "gradients", "activations")}
-
-
-def test_kahan_adamw_in_fp32_is_the_plugins_adamw_to_rounding() -> None:
-    """In fp32 optimi adds no compensation, so the lever differs from all-bf16's optimizer by Kahan summation alone."""
-    from lowmem.dynamicconv.plugin import LowmemAdamW, LowmemAdamWConfig, LowmemAdamWKahan, LowmemAdamWKahanConfig
-
-    torch.manual_seed(0)
-    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
-    b.load_state_dict(a.state_dict())
-    opts = [LowmemAdamW(LowmemAdamWConfig(lr=[1e-2], weight_decay=1e-2), a.parameters()),
-            LowmemAdamWKahan(LowmemAdamWKahanConfig(lr=[1e-2], weight_decay=1e-2), b.parameters())]
-    for i in range(20):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
-        for m, opt in zip((a, b), opts):
-            opt.zero_grad()
-            m(x).pow(2).mean().backward()
-            opt.step()
-    for pa, pb in zip(a.parameters(), b.parameters()):
-        torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)  # 20 steps of lr 1e-2 moved them by about 0.2
-    assert opts[1].optimizer.state[b.weight]["kahan_comp"] is None
 
 
 def test_kahan_adamw_in_bf16_follows_fp32_where_bf16_adamw_loses_every_step() -> None:
