@@ -297,8 +297,7 @@ class LowmemAdamWKahan(LowmemAdamW):
     half-bf16`` keeps per weight the part of each update that bf16 rounding dropped (a bf16 compensation buffer,
     Kahan summation) and adds it back at the next step. The moments stay in the parameters' dtype, as
     ``lowmem_adamw``'s. In fp32 optimi adds no buffer and is torch's AdamW to rounding, so the lever is meant for
-    ``--precision half-bf16``. Used as the others:
-    ``--optimizer lowmem_adamw_kahan``."""
+    ``--precision half-bf16``. Used as the others: ``--optimizer lowmem_adamw_kahan``."""
 
     def __init__(self, cfg: LowmemAdamWKahanConfig, params: Any) -> None:
         FairseqOptimizer.__init__(self, cfg)

@@ -534,8 +534,8 @@ def figure(s: Study) -> Figure:
         ax.text(ax.get_xlim()[1], ref["quality_change"], f"paper's budget ({ref['quality_change']:+g}) ", color="tab:blue",
                 fontsize=7, va="top", ha="right")
         # Numbers at the points and the names in a key under the axes: long names at crowded points overlap. Once
-        # the scales are set, a number whose box (in points: 5 per digit and 3 apart wide, 8 high) would overlap one already
-        # placed goes up a line until it is clear.
+        # the scales are set, a number whose box (in points: 5 per digit and 3 apart wide, 8 high) would overlap
+        # one already placed goes up a line until it is clear.
         labelled = pd.concat([t[t.pareto | t.role.str.startswith("search")], b])
         key, boxes = [], []
         for k, row in enumerate(labelled.itertuples(), start=1):

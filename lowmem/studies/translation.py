@@ -12,8 +12,7 @@ averaged (its sparse patterns move). The captions, figures, tables and metrics o
 
 ``--only`` trains and times the named techniques and the baseline into a metrics file of their own, with their
 full-size memory (stages translation_levers_train, translation_activations_train and translation_kahan_train, the
-levers beyond the paper):
-runs pair only within one file, one machine's.
+levers beyond the paper): runs pair only within one file, one machine's.
 """
 
 from __future__ import annotations
@@ -154,9 +153,10 @@ def run_only(p: TranslationTechniquesParams, only: list[str], data_dir: Path = t
     if unknown:
         raise ParamError(f"--only: unknown technique(s) {unknown}; techniques: {', '.join(p.techniques)}")
     names = ["baseline", *[n for n in only if n != "baseline"]]
-    mem = memory(dataclasses.replace(p, techniques={n: p.techniques[n] for n in names}, trained=names, timed=names))
+    q = dataclasses.replace(p, trained=names, timed=names)
+    mem = memory(dataclasses.replace(q, techniques={n: p.techniques[n] for n in names}))
     cols = [*(f"{c}_mib" for c in CATEGORIES), "total_mib", "peak_phase"]
-    return {**run(dataclasses.replace(p, trained=names, timed=names), data_dir), "machine": quality.machine(),
+    return {**run(q, data_dir), "machine": quality.machine(),
             "memory": {r["technique"]: {c: r[c] for c in cols} for r in mem.to_dict("records")}}
 
 
