@@ -353,8 +353,9 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
     req = Request("fairseq:lightconv_iwslt_de_en", 2, (8,), "adam", vocab=64)  # 16 tokens: --update-freq 1 or 2
     opts = plan_fairseq.options(req)
     assert opts["checkpoint"] == [[], ["--checkpoint-activations"]] and len(opts["microbatch"]) == 2
-    assert opts["optimizer"] == [[], ["--optimizer", "lowmem_adamw8bit"]]  # the plugin's, already on the command line
-    assert plan_fairseq.options(dataclasses.replace(req, optimizer="sgd"))["optimizer"] == [[]]  # no 8-bit counterpart
+    # The plugin's, already on the command line; no counterpart for SGD, no Kahan for fairseq's own architectures.
+    assert opts["optimizer"] == {"given": [], "8-bit": ["--optimizer", "lowmem_adamw8bit"], "kahan": ["--optimizer", "lowmem_adamw_kahan"]}
+    assert plan_fairseq.options(dataclasses.replace(req, optimizer="sgd"))["optimizer"] == {"given": []}
     plain = fairseq_memory.account(plan_fairseq.base_args(req) + opts["microbatch"][0], 64, 64, 16, 8).peak
     p = plan.make_plan(req, plain - 1, progress=False, levers=plan.Levers(optimizer_state=("given",)))  # the plain update does not fit
     assert len(p.fitting) >= 1
@@ -369,7 +370,7 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
         assert (r.quality_risk == "exact") == (r.precision == "fp32" and "--update-freq" not in args)
     # 8-bit Adam moments: fewer bytes than fp32 moments, also under autocast (accounted on fake tensors, beside
     # bitsandbytes' real code books), with the DynamicConv study's measured risk.
-    eight = opts["optimizer"][1]
+    eight = opts["optimizer"]["8-bit"]
     for p16 in ([], ["--precision", "mixed-bf16"]):
         args = plan_fairseq.base_args(req) + p16 + opts["microbatch"][0]
         assert fairseq_memory.account(args + eight, 64, 64, 16, 8).peak < fairseq_memory.account(args, 64, 64, 16, 8).peak
@@ -382,3 +383,32 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
                if r["technique"] == "adamw-8bit")
     assert lever["low"] < run["sacrebleu_change_low"] and lever["high"] > run["sacrebleu_change_high"]
     assert "widened by the baseline's seed sd" in lever["where"]
+
+
+def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_risk_keyed_with_them():
+    """The Kahan-compensated AdamW is a setting only beside the plugin's bf16 weights (with fp32 weights it
+    compensates nothing), its row accounts the printed command, and its risk is all-bf16 with Kahan's measured change
+    (stage translation_kahan_train) in place of the precision's own: all-bf16 without it loses 10 BLEU."""
+    from lowmem.cli import plan_fairseq
+    from lowmem.dynamicconv import memory as fairseq_memory
+
+    req = Request("fairseq:lightconv_iwslt_de_en", 2, (8,), "adam", vocab=64)
+    rows = plan_fairseq.rows(req, 2**40, False, plan.ROOT, ("given", "kahan"))
+    kahan = [r for r in rows if r["optimizer"] == "lowmem_adamw_kahan"]
+    assert kahan and {r["precision"] for r in kahan} == {"--precision half-bf16"}
+    assert {r["checkpoint"] for r in kahan} == {"none", "--checkpoint-activations"}
+    lever = plan_fairseq.levers_measured(plan.ROOT)["--precision half-bf16 --optimizer lowmem_adamw_kahan"]
+    run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_kahan_train.json").read_text())["trained"]
+               if r["technique"] == "all-bf16-kahan")
+    assert lever["change"] == run["sacrebleu_change"] and lever["low"] < run["sacrebleu_change_low"]
+    for r in kahan:
+        args = r["how_to_apply"].removeprefix("fairseq-train ").removesuffix(" (plus your data and recipe)").split()
+        assert fairseq_memory.account(args, 64, 64, 16, 8).peak == r["peak_bytes"]
+        assert r["quality_risk"].startswith("--precision half-bf16 --optimizer lowmem_adamw_kahan: ")
+        if "--update-freq" not in args:  # one lossy lever, the pair: its measured change alone
+            assert (r["predicted_change"], r["predicted_low"]) == (lever["change"], lever["low"])
+    # The same precision with fairseq's Adam is its own, unmeasured lever, not Kahan's.
+    given = next(r for r in rows if r["precision"] == "--precision half-bf16" and r["optimizer"] == "adam")
+    assert given["quality_risk"].startswith("--precision half-bf16: ")
+    with pytest.raises(SpecError, match="'kahan' with --optimizer adam on lightconv_iwslt_de_en under --precision half-bf16"):
+        plan_fairseq.rows(dataclasses.replace(req, optimizer="sgd"), 2**40, False, plan.ROOT, ("kahan",))

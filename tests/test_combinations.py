@@ -113,13 +113,15 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
                           "sparsity": 0.0, "microbatch": [c.get("microbatch", 1) for c in configs],
                           "checkpoint": [c.get("checkpoint", "none") for c in configs],
                           "config": [json.dumps(c) for c in configs], "techniques": [len(c) for c in configs],
-                          "mildness": [combinations.mildness(d, c) for c in configs],
+                          "mildness": [combinations.mildness(d, c) for c in configs], "activation_bits": 0,
                           "total_mib": [100, 60, 50, 30, 25, 55, 40, 20]})
     sweep["reduction"] = 100 / sweep.total_mib
     # The levels pick the paper's levers only, however far a lever beyond the paper reaches: adamw-8bit alone (4x,
-    # one technique) would be the fewest techniques reaching 3x.
+    # one technique) or 8-bit activations alone (5x) would be the fewest techniques reaching 3x.
     d.levels, d.slots, d.trained_elsewhere = [3.0], 2, []
-    assert [c["name"] for c in combinations.select(d, sweep)] == ["baseline", "update-freq-4+checkpoint"]
+    packed = pd.DataFrame([{**sweep.iloc[0].to_dict(), "name": "activations-8", "config": json.dumps({"activation_bits": 8}),
+                            "techniques": 1, "mildness": 1, "activation_bits": 8, "total_mib": 20, "reduction": 5.0}])
+    assert [c["name"] for c in combinations.select(d, pd.concat([sweep, packed], ignore_index=True))] == ["baseline", "update-freq-4+checkpoint"]
     sweep.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
     trained = {"profile": "cpu", "machine": "CPU A", "time_ratio": {"baseline": 1.0, "adamw-8bit+update-freq-4": 1.3},
                "trained": [{"technique": "baseline", "sacrebleu_change": 0.0, "sacrebleu_change_low": 0.0, "sacrebleu_change_high": 0.0},
@@ -134,8 +136,8 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
     assert rows.loc["adamw-8bit+update-freq-4"].time_ratio == 1.3 and twin.reduction == 5.0
     assert frontier.beyond_rows_dynamicconv(tmp_path, tmp_path / "nothing").empty
 
-    # Compressed activations are no setting of the grid: their stage accounts their memory itself, against its own
-    # baseline, and checkpointing gives them no twin (it is not exact with packed activations).
+    # A bit width the grid does not hold: its stage accounts its memory itself, against its own baseline, and
+    # checkpointing gives it no twin (it is not exact with packed activations).
     mem = {"baseline": {"total_mib": 100.0, "activations_mib": 50.0},
            "activations-8+checkpoint": {"total_mib": 30.0, "activations_mib": 5.0}}
     packed = {"profile": "cpu", "machine": "CPU A", "time_ratio": {"baseline": 1.0, "activations-8+checkpoint": 1.6}, "memory": mem,
@@ -157,6 +159,60 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
     with pytest.raises(ValueError, match=r"no full-size memory recorded for \['activations-8\+checkpoint', 'baseline'\], needed for "
                                          r"\['activations-8\+checkpoint'\], which the DynamicConv sweep does not hold: rerun stage translation_activations_train"):
         frontier.beyond_rows_dynamicconv(tmp_path, tmp_path)
+    # One the grid holds takes the sweep's memory, and its checkpointed row in the grid still gets no twin.
+    grid = pd.concat([sweep, pd.DataFrame([{**sweep.iloc[0].to_dict(), "name": n, "config": json.dumps(c), "activation_bits": 8,
+                                            "checkpoint": c.get("checkpoint", "none"), "total_mib": t, "reduction": 100 / t}
+                                           for n, c, t in [("activations-8", {"activation_bits": 8}, 80.0),
+                                                           ("activations-8+checkpoint", {"checkpoint": "layers", "activation_bits": 8}, 40.0)]])],
+                     ignore_index=True)
+    grid.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
+    packed["trained"][1]["technique"], packed["time_ratio"] = "activations-8", {"baseline": 1.0, "activations-8": 1.6}
+    (tmp_path / "translation_activations_train.json").write_text(json.dumps(packed))
+    rows = frontier.beyond_rows_dynamicconv(tmp_path, tmp_path).set_index("name")
+    assert list(rows.index) == ["adamw-8bit+update-freq-4", "adamw-8bit+update-freq-4+checkpoint", "activations-8"]
+    assert (rows.loc["activations-8"].reduction, rows.loc["activations-8"].quality_change) == (1.25, -0.2)
+
+
+def test_a_levers_stage_arm_of_the_papers_levers_gives_its_row_in_the_papers_grid_and_its_twin(tmp_path: Path) -> None:
+    """A control a levers stage trained beside its levers (update-freq 16 in stage translation_kahan_train) is a
+    combination of the paper's levers: its row gets that run's change against the baseline beside it, and its
+    checkpointed twin the same (exact by test). Stage 08's own runs and the combination study's keep theirs."""
+    d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4, 16], checkpoint=["none", "layers"])
+    configs = combinations.grid(d)
+    names = [combinations.name(d, c) for c in configs]
+    sweep = pd.DataFrame({"name": names, "precision": [c.get("precision", "fp32") for c in configs], "sparsity": 0.0,
+                          "microbatch": [c.get("microbatch", 1) for c in configs],
+                          "checkpoint": [c.get("checkpoint", "none") for c in configs],
+                          "activation_bits": 0, "config": [json.dumps(c) for c in configs],
+                          "techniques": [len(c) for c in configs], "total_mib": np.linspace(100, 10, len(configs))})
+    sweep["reduction"] = 100 / sweep.total_mib
+    sweep.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
+    (tmp_path / "dynamicconv_selected.json").write_text(json.dumps({"profile": "cpu", "selected": []}))
+    (tmp_path / "combinations").mkdir()
+
+    def arm(t: str, change: float) -> dict:
+        return {"technique": t, "sacrebleu": 20 + change, "sacrebleu_change": change,
+                "sacrebleu_change_low": change - 1, "sacrebleu_change_high": change + 1}
+
+    stage08 = {"profile": "cpu", "max_update": 100, "time_ratio": {"baseline": 1.0, "update-freq-4": 0.9},
+               "trained": [arm("baseline", 0.0), arm("update-freq-4", 2.0)]}
+    (tmp_path / "translation_techniques_train.json").write_text(json.dumps(stage08))
+    kahan = {"profile": "cpu", "max_update": 100, "time_ratio": {"baseline": 1.0, "update-freq-4": 0.5, "update-freq-16": 1.2, "adamw-8bit": 1.1},
+             "trained": [arm("baseline", 0.3), arm("update-freq-4", -5.0), arm("update-freq-16", 1.5), arm("adamw-8bit", 0.1)]}
+    (tmp_path / "translation_kahan_train.json").write_text(json.dumps(kahan))
+    got = frontier.results("dynamicconv", tmp_path, tmp_path).set_index("name")
+    uf16, twin = got.loc["update-freq-16"], got.loc["update-freq-16+checkpoint"]
+    assert (uf16.quality_change, uf16.quality_low, uf16.quality_high, uf16.time_ratio) == (1.5, 0.5, 2.5, 1.2)
+    assert uf16.quality_from == "stage translation_kahan_train"
+    assert (twin.quality_change, twin.quality_low, twin.quality_high) == (1.5, 0.5, 2.5) and twin.quality_from.startswith("exact, by test")
+    # Stage 08's runs keep stage 08's scores; the levers stage's baseline and its levers beyond the paper add nothing here.
+    assert (got.loc["update-freq-4"].quality_change, got.loc["update-freq-4"].time_ratio) == (2.0, 0.9)
+    assert got.loc["baseline"].quality_change == 0.0 and "adamw-8bit" not in got.index
+    assert got.quality_change.notna().sum() == 6  # the baseline, update-freq-4 and -16, and their checkpointed twins
+    kahan["profile"] = "smoke"
+    (tmp_path / "translation_kahan_train.json").write_text(json.dumps(kahan))
+    with pytest.raises(ValueError, match="different profiles"):
+        frontier.results("dynamicconv", tmp_path, tmp_path)
 
 
 def test_every_committed_dynamicconv_arm_with_a_plugin_lever_beyond_the_paper_is_among_the_beyond_rows() -> None:
@@ -230,8 +286,8 @@ def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combinatio
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["base"]["profile"] = profile
     p = combinations.resolve_task(task, params)
-    if task == "wrn" and "activation_bits" not in kw:  # the paper's four dimensions, unless a test adds the fifth
-        kw = {"activation_bits": [0], "search_paper": False, **kw}
+    if "activation_bits" not in kw:  # the paper's four dimensions, unless a test adds the fifth
+        kw = {"activation_bits": [0], **({"search_paper": False} if task == "wrn" else {}), **kw}
     for k, v in kw.items():
         setattr(p, k, v)
     return p
@@ -254,6 +310,10 @@ def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
     assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
         "--sparsity", "0.9", "--sparse-method", "static", "--fp16", "--update-freq", "4",
         "--max-tokens", str(d.translation["max_tokens"] // 4), "--checkpoint-activations"]
+    # DynamicConv's fifth dimension is the plugin's option, named as stage translation_activations_train's arm
+    assert combinations.translation_options(d, {"checkpoint": "layers", "activation_bits": 8}) == [
+        "--checkpoint-activations", "--activation-bits", "8"]
+    assert combinations.name(d, {"microbatch": 4, "activation_bits": 8}) == "update-freq-4+activations-8"
 
 
 def test_dynamicconv_bf16_settings_take_stage_08s_options_and_mixed_bf16_with_sparsity_is_left_out() -> None:
@@ -472,7 +532,7 @@ def test_levers_arms_that_the_grid_holds_are_left_to_the_grid(tmp_path: Path) ->
 @pytest.mark.parametrize("task, kw, match", [
     ("wrn", {"activation_bits": [0, 3]}, "activation_bits: \\[3\\] not allowed; use 0 \\(off\\) or one of 2, 4, 8, 16"),
     ("wrn", {"activation_bits": [8, 0]}, "must start with its 'off' value"),
-    ("dynamicconv", {"activation_bits": [0, 8]}, "does not compress activations"),
+    ("dynamicconv", {"activation_bits": [0, 3]}, "combinations_dynamicconv.activation_bits: \\[3\\] not allowed"),
 ])
 def test_a_bad_activation_bits_list_stops_before_any_compute(task: str, kw: dict, match: str) -> None:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -7,11 +7,14 @@ fairseq's own update (``lowmem.dynamicconv.memory``).
 - **precision**: lowmem's plugin's ``--precision mixed-bf16|half-bf16`` for lightconv (fairseq 0.12 has no 16-bit
   training on the CPU), fairseq's own ``--fp16`` (CUDA only) for other architectures;
 - **optimizer state**: for ``--optimizer adam``, lowmem's plugin's ``--optimizer lowmem_adamw8bit`` (bitsandbytes'
-  AdamW8bit: both moments in block-wise 8 bits).
+  AdamW8bit: both moments in block-wise 8 bits); and for lightconv under ``--precision half-bf16``, the plugin's
+  ``--optimizer lowmem_adamw_kahan`` (torch-optimi's AdamW with Kahan summation: a bf16 compensation beside the bf16
+  moments, so that small updates are not lost to rounding).
 
 Recompute is counted by ``torch.utils.flop_counter`` on the accounted update itself (with checkpointing, the FLOPs
 beyond the plain update's). Quality risk: checkpointing is exact; the others are the DynamicConv study's measured
-sacreBLEU changes (figures/08_translation_techniques.csv; 8-bit Adam: metrics/translation_levers_train.json) where
+sacreBLEU changes (figures/08_translation_techniques.csv; 8-bit Adam: metrics/translation_levers_train.json; Kahan:
+metrics/translation_kahan_train.json, measured with the bf16 weights it compensates, so one effect for the two) where
 that exact option was trained, else unmeasured.
 """
 
@@ -57,7 +60,11 @@ def options(req: Request) -> dict[str, list[list[str]]]:
     from lowmem.dynamicconv.translation import PLUGIN_DIR
 
     eight_bit = [*([] if plugin else ["--user-dir", str(PLUGIN_DIR)]), "--optimizer", "lowmem_adamw8bit"]
-    return {"optimizer": [[], *([eight_bit] if req.optimizer == "adam" else [])],
+    # The optimizer-state settings by name (lowmem.cli.plan.OPTIMIZER_STATE). Kahan compensates bf16 weights, which
+    # only the plugin's --precision half-bf16 keeps here (``rows`` pairs it with that alone).
+    state = {"given": [], **({"8-bit": eight_bit} if req.optimizer == "adam" else {}),
+             **({"kahan": ["--optimizer", "lowmem_adamw_kahan"]} if req.optimizer == "adam" and plugin else {})}
+    return {"optimizer": state,
             "precision": [[], *([["--precision", "mixed-bf16"], ["--precision", "half-bf16"]] if plugin else [["--fp16"]])],
             "checkpoint": [[], *([["--checkpoint-activations"]] if has_ckpt else [])],
             "microbatch": [["--max-tokens", str(tokens)] if k == 1 else ["--update-freq", str(k), "--max-tokens", str(tokens // k)]
@@ -100,22 +107,35 @@ def seed_widened(root: Path, change: float, low: float, high: float, profile: st
             "where": f"{where}, bootstrap interval widened by the baseline's seed sd over {noise['seeds']} seeds"}
 
 
+# The levers beyond the paper that the plan offers, by the flags ``risk`` keys them with: (stage, technique) whose
+# trained arm measured them. Kahan is keyed with the precision it compensates: its effect is all-bf16's with it.
+LEVERS = {"--optimizer lowmem_adamw8bit": ("translation_levers_train", "adamw-8bit"),
+          "--precision half-bf16 --optimizer lowmem_adamw_kahan": ("translation_kahan_train", "all-bf16-kahan")}
+
+
 def levers_measured(root: Path) -> dict[str, dict[str, Any]]:
-    """The levers beyond the paper trained on DynamicConv (stage translation_levers_train), each against the baseline
-    trained beside it on one machine: here 8-bit Adam alone."""
-    path = root / "metrics" / "translation_levers_train.json"
-    if not path.exists():
-        return {}
-    res = json.loads(path.read_text())
-    return {"--optimizer lowmem_adamw8bit": seed_widened(root, r["sacrebleu_change"], r["sacrebleu_change_low"],
-                                                         r["sacrebleu_change_high"], res["profile"], res["max_update"])
-            for r in res["trained"] if r["technique"] == "adamw-8bit"}
+    """The levers beyond the paper trained on DynamicConv (``LEVERS``), each against the baseline trained beside it
+    on one machine."""
+    out = {}
+    for key, (stage, technique) in LEVERS.items():
+        path = root / "metrics" / f"{stage}.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
+        out |= {key: seed_widened(root, r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"],
+                                  res["profile"], res["max_update"])
+                for r in res["trained"] if r["technique"] == technique}
+    return out
 
 
 def risk(flags: dict[str, list[str]], effects: dict[str, dict[str, Any]]) -> tuple[float, float, str]:
-    lossy = [" ".join(flags["precision"])] if flags["precision"] else []
-    if flags.get("optimizer"):
-        lossy.append(" ".join(flags["optimizer"][-2:]))
+    optimizer = " ".join(flags.get("optimizer", [])[-2:])
+    if optimizer == "--optimizer lowmem_adamw_kahan":  # one effect with the precision it compensates (``LEVERS``)
+        lossy = [" ".join([*flags["precision"], optimizer])]
+    else:
+        lossy = [" ".join(flags["precision"])] if flags["precision"] else []
+        if optimizer:
+            lossy.append(optimizer)
     if "--update-freq" in flags["microbatch"]:  # fairseq batches sentences anew at T/k tokens: not the same sum
         lossy.append(" ".join(flags["microbatch"][:2]))
     return combine([(opt, effects.get(opt)) for opt in lossy])
@@ -157,12 +177,15 @@ def rows(req: Request, budget: int, progress: bool, root: Path, states: tuple[st
                     "tech": None, "segments": None, "largest_fitting": False})
         return out[-1]
 
-    # Kahan's SGD is not a fairseq optimizer: only the given state and 8-bit Adam are settings here.
-    state = [o for o in opts["optimizer"] if ("8-bit" if o else "given") in states]
-    if not state:
-        raise SpecError(f"--optimizer-state {' '.join(states)} has no setting for a fairseq model with --optimizer "
-                        f"{req.optimizer}: only 'given', and '8-bit' with --optimizer adam (the plugin's lowmem_adamw8bit)")
-    settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"] for o in state]
+    # Kahan only beside the bf16 weights it compensates: with fp32 weights optimi adds no buffer and is AdamW itself.
+    half = ["--precision", "half-bf16"]
+    settings = [(p, c, o) for p in opts["precision"] for c in opts["checkpoint"]
+                for s, o in opts["optimizer"].items() if s in states and (s != "kahan" or p == half)]
+    if not settings:
+        raise SpecError(f"--optimizer-state {' '.join(states)} has no setting for this fairseq model with --optimizer "
+                        f"{req.optimizer}: only 'given', '8-bit' with --optimizer adam (the plugin's lowmem_adamw8bit), "
+                        f"and 'kahan' with --optimizer adam on {PLUGIN_ARCH} under --precision half-bf16 (the plugin's "
+                        "lowmem_adamw_kahan)")
     ms = opts["microbatch"]
     for p, c, o in tqdm(settings, desc="accounting the levers", disable=None if progress else True, mininterval=5):
         seen: dict[int, dict[str, Any]] = {}

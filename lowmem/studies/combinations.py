@@ -1,6 +1,6 @@
 """The four techniques combined (Sohoni et al. 2019, the combination study behind 60.7x and 8.7x): a grid of
-sparsity x precision x microbatch x checkpoint for each task (WRN's with a fifth dimension beyond the paper, the bits of
-saved activations), accounted at full size, timed at the active profile, and a subset chosen for training.
+sparsity x precision x microbatch x checkpoint for each task (with a fifth dimension beyond the paper, the bits of
+saved activations), accounted at full size, timed at the active profile (WRN), and a subset chosen for training.
 
 - WRN: every combination is a ``lowmem.wrn.train.Techniques``; memory is WRN-28-2's step at B = 128, step time is the
   profile's trained model at its batch, and a chosen combination trains with ``lowmem.wrn.train.train``.
@@ -73,7 +73,8 @@ class CombinationsParams:
     precision: list[str] = field(default_factory=lambda: ["fp32", "half-bf16"])
     microbatch: list[int] = field(default_factory=lambda: [0, 8])  # WRN: examples per pass, 0 = whole batch; DynamicConv: --update-freq
     checkpoint: list[str] = field(default_factory=lambda: ["none", "sqrt"])  # WRN strategies; DynamicConv: none or layers
-    # WRN, beyond the paper: bits of each activation saved for backward (lowmem.techniques.compress), 0 = as computed
+    # Beyond the paper: bits of each activation saved for backward (lowmem.techniques.compress; DynamicConv: the
+    # plugin's --activation-bits), 0 = as computed
     activation_bits: list[int] = field(default_factory=lambda: [0])
     singles: list[dict[str, Any]] = field(default_factory=list)  # single-technique points always trained, e.g. {sparsity: 0.9}
     levels: list[float] = field(default_factory=lambda: [4.0])  # memory reductions (x) at which one combination is trained
@@ -107,9 +108,6 @@ class CombinationsParams:
         for cfg in self.singles:
             if not isinstance(cfg, dict) or len(cfg) != 1 or set(cfg) - set(dims(self.task)):
                 raise ParamError(f"combinations_{self.task}.singles: each is one technique's setting, {{name: value}} with a name among {dims(self.task)}; got {cfg!r}")
-        if self.task == "dynamicconv" and self.activation_bits != [0]:
-            raise ParamError(f"combinations_dynamicconv.activation_bits={self.activation_bits!r}: the fairseq plugin does not "
-                             "compress activations; leave it out (WRN's grid only)")
         bad = [b for b in self.activation_bits if b != 0 and b not in compress.BITS]
         if bad:
             raise ParamError(f"combinations_{self.task}.activation_bits: {bad} not allowed; use 0 (off) or one of "
@@ -117,8 +115,8 @@ class CombinationsParams:
         if (self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1)
                 or self.checkpoint[0] != "none" or self.activation_bits[0] != 0):
             raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (sparsity 0, "
-                             f"precision fp32, microbatch {'0' if self.task == 'wrn' else '1'}, checkpoint none"
-                             f"{', activation_bits 0' if self.task == 'wrn' else ''}): the baseline is the first combination")
+                             f"precision fp32, microbatch {'0' if self.task == 'wrn' else '1'}, checkpoint none, "
+                             "activation_bits 0): the baseline is the first combination")
         if self.task == "wrn" and self.activation_bits != [0] and not self.search:
             raise ParamError("combinations_wrn.activation_bits: a lever beyond the paper in the grid needs search: true "
                              "(the levels picked by fewest techniques would mix it into the paper's rows)")
@@ -204,7 +202,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
     """The combinations to train, in slot order: the baseline, ``p.singles``, then for each level in ``p.levels``
     the not yet chosen combination that reaches it with the fewest techniques, then the mildest settings (ties: the
     larger reduction). DynamicConv leaves out what stage 08 trains (``p.trained_elsewhere``) and, on the CPU, the
-    16-bit options that fairseq cannot train there, and the levers beyond the paper. Each entry is {slot, name, role}."""
+    16-bit options that fairseq cannot train there, and the levers beyond the paper (its precision settings beyond
+    it, and compressed activations). Each entry is {slot, name, role}."""
     names = set(memory.name)
     chosen: list[dict[str, Any]] = []
     first = [("baseline", "baseline"), *[(name(p, s), "single technique") for s in p.singles]]
@@ -216,7 +215,8 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
     if p.task == "dynamicconv":
         # The levels are the paper's levers': levers beyond it train in stages translation_levers_train,
         # translation_activations_train and translation_kahan_train.
-        pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~pool.precision.isin(BEYOND_PAPER_DYNAMICCONV)]
+        pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~pool.precision.isin(BEYOND_PAPER_DYNAMICCONV)
+                    & (pool.activation_bits == 0)]
     for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]
         if reach.empty:
@@ -404,6 +404,8 @@ def translation_options(p: CombinationsParams, cfg: dict[str, Any]) -> list[str]
         args += ["--update-freq", str(k), "--max-tokens", str(t["max_tokens"] // k)]
     if cfg.get("checkpoint"):
         args += ["--checkpoint-activations"]
+    if cfg.get("activation_bits"):
+        args += ["--activation-bits", str(cfg["activation_bits"])]
     return args
 
 

@@ -82,7 +82,7 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
     test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
     compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
     step's saved tensors packed), so those rows neither give nor take a twin's quality."""
-    lossy = [d for d in dims(task) if d not in exact]
+    lossy = [d for d in dims(task) if d not in exact and d in df]  # ``results`` checks that the sweep has them all
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
@@ -101,7 +101,8 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     """The sweep's table with what was trained joined in: ``quality_change`` against the baseline (accuracy points
     for WRN, sacreBLEU for DynamicConv) with its 95% interval (``quality_low``, ``quality_high``: WRN's paired over
     ``quality_n`` seeds, DynamicConv's paired bootstrap of one seed's test set where it was computed, which ``study``
-    widens by the seed noise, ``widen_by_seed_noise``), where the
+    widens by the seed noise, ``widen_by_seed_noise``; DynamicConv's from stage 08, the combination study, then the
+    levers stages' arms of the paper's levers, ``paper_arms_dynamicconv``), where the
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, whether the
     combination uses a lever beyond the paper (``beyond``: WRN's compressed activations, a dimension of its grid),
     and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone."""
@@ -110,7 +111,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
         raise ValueError(f"{sweep_dir / f'{task}_sweep.csv'} has no column {missing}: it was made for another grid; "
                          f"rerun the sweep (dvc repro combinations_sweep_{task})")
     if task == "dynamicconv":  # the paper's levers only; those beyond it are ``beyond_rows_dynamicconv``'s
-        df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
+        df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV) & (df.activation_bits == 0)].reset_index(drop=True)
     selected = selection(task, sweep_dir)
     chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
@@ -157,6 +158,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 r.get("sacrebleu_change", r["sacrebleu"] - base), r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
+        profile |= paper_arms_dynamicconv(df, metrics_dir)
         _exact_fill(df, task, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
@@ -241,11 +243,11 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     """DynamicConv's configurations with a lever beyond the paper, from stages ``LEVERS_STAGES_DYNAMICCONV``
     (``metrics/<stage>.json``): each trained technique's sacreBLEU change against the baseline trained beside it in
     the same study (paired bootstrap of the test set), and its time per update against that baseline. A technique
-    the sweep holds (8-bit Adam or Kahan's all-bf16, settings of the grid's precision) takes the sweep's full-size
-    memory, and a combination that differs from it only by checkpointing (exact by test) carries its quality; one
-    the sweep does not hold (compressed activations, which make checkpointing inexact) takes the memory its own
-    stage accounted, against that stage's baseline. An arm in two studies is the first one's. Empty without any of
-    the files."""
+    the sweep holds (8-bit Adam or Kahan's all-bf16, settings of the grid's precision, or compressed activations)
+    takes the sweep's full-size memory, and a combination that differs from it only by checkpointing (exact by
+    test, and not with compressed activations) carries its quality; one the sweep does not hold (a bit width
+    outside its list) takes the memory its own stage accounted, against that stage's baseline. An arm in two
+    studies is the first one's. Empty without any of the files."""
     paths = {st: p for st in LEVERS_STAGES_DYNAMICCONV if (p := Path(metrics_dir) / f"{st}.json").exists()}
     if not paths:
         return pd.DataFrame()
@@ -254,7 +256,8 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     frames: list[pd.DataFrame] = []
     for stage, path in paths.items():
         res = json.loads(path.read_text())
-        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV)].reset_index(drop=True)
+        packed = sweep.activation_bits != 0 if "activation_bits" in sweep else False  # a sweep from before the dimension
+        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV) | packed].reset_index(drop=True)
         mem = res.get("memory", {})
         extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in in_sweep]
         if missing := [t for t in [*extra, "baseline"] if extra and t not in mem]:
@@ -282,6 +285,30 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
         frames.append(df)
     out = pd.concat(frames, ignore_index=True)
     return out[~out.name.duplicated()].reset_index(drop=True)
+
+
+def paper_arms_dynamicconv(df: pd.DataFrame, metrics_dir: Path) -> set[str]:
+    """Fills in ``df`` (DynamicConv's combinations of the paper's levers, ``results``) the quality and time of the
+    rows that neither stage 08 nor the combination study trained but a levers stage (``LEVERS_STAGES_DYNAMICCONV``)
+    did, as a control beside its levers (update-freq 16 in stage translation_kahan_train): the arm's sacreBLEU change
+    against the baseline trained beside it, as every other row's is against its own. Without this, the rows "the
+    paper's" would miss a configuration of the paper's own levers that was trained and scored. An arm in two stages
+    is the first one's. Returns the profiles of the stages that gave a row."""
+    profiles: set[str] = set()
+    for stage in LEVERS_STAGES_DYNAMICCONV:
+        path = Path(metrics_dir) / f"{stage}.json"
+        if not path.exists():
+            continue
+        res = json.loads(path.read_text())
+        for r in res["trained"]:
+            i = df.index[(df.name == r["technique"]) & df.quality_change.isna()]
+            if r["technique"] == "baseline" or i.empty:
+                continue
+            df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio", "quality_from"]] = [
+                r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1,
+                res["time_ratio"].get(r["technique"], np.nan), f"stage {stage}"]
+            profiles.add(res["profile"])
+    return profiles
 
 
 def paper_reference(path: Path = REFERENCE) -> dict[str, Any]:
@@ -476,7 +503,8 @@ FRONTIER_CAPTION = (
     "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
     "activations, a dimension of the grid, trained alone and in the search's picks beside the same baseline and timed "
     "by the same sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
-    "those runs. DynamicConv: 8-bit Adam moments, compressed activations and Kahan-compensated all-bf16, one seed beside each study's own "
+    "those runs. DynamicConv: 8-bit Adam moments and Kahan-compensated all-bf16 (settings of the grid's precision) and "
+    "compressed activations (a dimension of the grid), one seed beside each study's own "
     "baseline, their intervals as the other DynamicConv points', timed by those runs. One machine per study; a white "
     "star is the exact twin of a trained one.")
 

@@ -15,9 +15,9 @@ import pandas as pd
 from lowmem.studies import quality
 
 DIMS = ("sparsity", "precision", "microbatch", "checkpoint")  # the paper's four levers, the dimensions of both grids
-# WRN's grid has one more dimension, a lever beyond the paper: the bits each activation saved for backward is stored
-# in (lowmem.techniques.compress; 0 = as computed). DynamicConv's plugin does not compress activations.
-DIMS_OF = {"wrn": DIMS + ("activation_bits",), "dynamicconv": DIMS}
+# Both grids have one more dimension, a lever beyond the paper: the bits each activation saved for backward is stored
+# in (lowmem.techniques.compress; 0 = as computed; DynamicConv: the plugin's --activation-bits).
+DIMS_OF = {"wrn": DIMS + ("activation_bits",), "dynamicconv": DIMS + ("activation_bits",)}
 # Levers whose step equals the plain step (bitwise), by the named test: their expected quality effect is zero, and a
 # combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
 # a combination is that very run (lowmem.wrn.train.run_techniques); not with compressed activations, where
@@ -29,9 +29,9 @@ EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_c
 EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16", "adamw-8bit", "all-bf16-kahan")
 # Fields of lowmem.techniques.step.Techniques that are levers beyond the paper, with their 'off' values.
 BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
-# DynamicConv's levers beyond the paper that its grid holds: settings of the precision dimension (what the training
-# state is stored in), named as stage 08's techniques: 8-bit Adam moments, and all-bf16 with a Kahan-compensated
-# AdamW. Compressed activations are beside the grid (frontier.py).
+# DynamicConv's levers beyond the paper that its precision dimension holds (what the training state is stored in),
+# named as stage 08's techniques: 8-bit Adam moments, and all-bf16 with a Kahan-compensated AdamW. Its other lever
+# beyond the paper is the activation_bits dimension, as WRN's.
 BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit", "all-bf16-kahan")
 
 
