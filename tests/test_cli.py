@@ -407,8 +407,17 @@ def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_ri
         assert r["quality_risk"].startswith("--precision half-bf16 --optimizer lowmem_adamw_kahan: ")
         if "--update-freq" not in args:  # one lossy lever, the pair: its measured change alone
             assert (r["predicted_change"], r["predicted_low"]) == (lever["change"], lever["low"])
-    # The same precision with fairseq's Adam is its own, unmeasured lever, not Kahan's.
-    given = next(r for r in rows if r["precision"] == "--precision half-bf16" and r["optimizer"] == "adam")
-    assert given["quality_risk"].startswith("--precision half-bf16: ")
+    # The same precision with fairseq's Adam is its own lever, not Kahan's; fairseq's Adam keeps fp32 moments for bf16
+    # weights (8 bytes a weight), the compensated AdamW two bf16 moments and a bf16 compensation (6).
+    for r in kahan:
+        given = next(g for g in rows if g["optimizer"] == "adam" and
+                     (g["precision"], g["checkpoint"], g["microbatch"]) == (r["precision"], r["checkpoint"], r["microbatch"]))
+        assert given["quality_risk"].startswith("--precision half-bf16: ") and r["peak_bytes"] < given["peak_bytes"]
+    # With --update-freq, fairseq's own lossy microbatching adds its effect beside the pair's.
+    _, _, label = plan_fairseq.risk({"precision": ["--precision", "half-bf16"], "checkpoint": [], "optimizer": ["--optimizer", "lowmem_adamw_kahan"],
+                                     "microbatch": ["--update-freq", "2", "--max-tokens", "8"]}, plan_fairseq.measured(plan.ROOT))
+    assert [p.split(":")[0] for p in label.split("; ")] == ["--precision half-bf16 --optimizer lowmem_adamw_kahan", "--update-freq 2"]
+    # fairseq's own architectures keep fp32 weights (--fp16 has fp32 master weights): no Kahan setting there.
+    assert "kahan" not in plan_fairseq.options(Request("fairseq:transformer_iwslt_de_en", 2, (8,), "adam", vocab=64))["optimizer"]
     with pytest.raises(SpecError, match="'kahan' with --optimizer adam on lightconv_iwslt_de_en under --precision half-bf16"):
         plan_fairseq.rows(dataclasses.replace(req, optimizer="sgd"), 2**40, False, plan.ROOT, ("kahan",))

@@ -176,14 +176,16 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
 def test_a_levers_stage_arm_of_the_papers_levers_gives_its_row_in_the_papers_grid_and_its_twin(tmp_path: Path) -> None:
     """A control a levers stage trained beside its levers (update-freq 16 in stage translation_kahan_train) is a
     combination of the paper's levers: its row gets that run's change against the baseline beside it, and its
-    checkpointed twin the same (exact by test). Stage 08's own runs and the combination study's keep theirs."""
-    d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4, 16], checkpoint=["none", "layers"])
+    checkpointed twin the same (exact by test). Stage 08's own runs and the combination study's keep theirs, and
+    the arms beyond the paper stay accounted points without quality (theirs is ``beyond_rows_dynamicconv``'s)."""
+    d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4, 16], checkpoint=["none", "layers"],
+              activation_bits=[0, 8])
     configs = combinations.grid(d)
     names = [combinations.name(d, c) for c in configs]
     sweep = pd.DataFrame({"name": names, "precision": [c.get("precision", "fp32") for c in configs], "sparsity": 0.0,
                           "microbatch": [c.get("microbatch", 1) for c in configs],
                           "checkpoint": [c.get("checkpoint", "none") for c in configs],
-                          "activation_bits": 0, "config": [json.dumps(c) for c in configs],
+                          "activation_bits": [c.get("activation_bits", 0) for c in configs], "config": [json.dumps(c) for c in configs],
                           "techniques": [len(c) for c in configs], "total_mib": np.linspace(100, 10, len(configs))})
     sweep["reduction"] = 100 / sweep.total_mib
     sweep.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
@@ -194,12 +196,16 @@ def test_a_levers_stage_arm_of_the_papers_levers_gives_its_row_in_the_papers_gri
         return {"technique": t, "sacrebleu": 20 + change, "sacrebleu_change": change,
                 "sacrebleu_change_low": change - 1, "sacrebleu_change_high": change + 1}
 
-    stage08 = {"profile": "cpu", "max_update": 100, "time_ratio": {"baseline": 1.0, "update-freq-4": 0.9},
-               "trained": [arm("baseline", 0.0), arm("update-freq-4", 2.0)]}
-    (tmp_path / "translation_techniques_train.json").write_text(json.dumps(stage08))
-    kahan = {"profile": "cpu", "max_update": 100, "time_ratio": {"baseline": 1.0, "update-freq-4": 0.5, "update-freq-16": 1.2, "adamw-8bit": 1.1},
-             "trained": [arm("baseline", 0.3), arm("update-freq-4", -5.0), arm("update-freq-16", 1.5), arm("adamw-8bit", 0.1)]}
-    (tmp_path / "translation_kahan_train.json").write_text(json.dumps(kahan))
+    def write(stage: str, res: dict) -> None:
+        (tmp_path / f"{stage}.json").write_text(json.dumps(res))
+
+    write("translation_techniques_train", {"profile": "cpu", "max_update": 100, "time_ratio": {"baseline": 1.0, "update-freq-4": 0.9},
+                                           "trained": [arm("baseline", 0.0), arm("update-freq-4", 2.0)]})
+    kahan = {"profile": "cpu", "max_update": 100,
+             "time_ratio": {"baseline": 1.0, "update-freq-4": 0.5, "update-freq-16": 1.2, "adamw-8bit": 1.1, "activations-8": 1.6},
+             "trained": [arm("baseline", 0.3), arm("update-freq-4", -5.0), arm("update-freq-16", 1.5), arm("adamw-8bit", 0.1),
+                         arm("activations-8", -0.2)]}
+    write("translation_kahan_train", kahan)
     got = frontier.results("dynamicconv", tmp_path, tmp_path).set_index("name")
     uf16, twin = got.loc["update-freq-16"], got.loc["update-freq-16+checkpoint"]
     assert (uf16.quality_change, uf16.quality_low, uf16.quality_high, uf16.time_ratio) == (1.5, 0.5, 2.5, 1.2)
@@ -207,11 +213,20 @@ def test_a_levers_stage_arm_of_the_papers_levers_gives_its_row_in_the_papers_gri
     assert (twin.quality_change, twin.quality_low, twin.quality_high) == (1.5, 0.5, 2.5) and twin.quality_from.startswith("exact, by test")
     # Stage 08's runs keep stage 08's scores; the levers stage's baseline and its levers beyond the paper add nothing here.
     assert (got.loc["update-freq-4"].quality_change, got.loc["update-freq-4"].time_ratio) == (2.0, 0.9)
-    assert got.loc["baseline"].quality_change == 0.0 and "adamw-8bit" not in got.index
+    assert got.loc["baseline"].quality_change == 0.0
+    assert got.loc[["adamw-8bit", "activations-8"], "quality_change"].isna().all() and got.loc[["adamw-8bit", "activations-8"], "beyond"].all()
     assert got.quality_change.notna().sum() == 6  # the baseline, update-freq-4 and -16, and their checkpointed twins
-    kahan["profile"] = "smoke"
-    (tmp_path / "translation_kahan_train.json").write_text(json.dumps(kahan))
+    assert len(got) == len(configs) == 24 and got.beyond.sum() == 18  # every accounted point, 6 of them the paper's
+    # An arm in two levers stages is the first one's (LEVERS_STAGES_DYNAMICCONV's order).
+    write("translation_levers_train", {**kahan, "trained": [arm("baseline", 0.0), arm("update-freq-16", 9.0)]})
+    uf16 = frontier.results("dynamicconv", tmp_path, tmp_path).set_index("name").loc["update-freq-16"]
+    assert (uf16.quality_change, uf16.quality_from) == (9.0, "stage translation_levers_train")
+    (tmp_path / "translation_levers_train.json").unlink()
     with pytest.raises(ValueError, match="different profiles"):
+        write("translation_kahan_train", {**kahan, "profile": "smoke"})
+        frontier.results("dynamicconv", tmp_path, tmp_path)
+    with pytest.raises(ValueError, match="stage translation_kahan_train trained 50 updates but stage 08's baseline 100"):
+        write("translation_kahan_train", {**kahan, "max_update": 50})
         frontier.results("dynamicconv", tmp_path, tmp_path)
 
 
@@ -500,6 +515,7 @@ def test_a_dynamicconv_checkpoint_twin_carries_its_run_only_in_a_tested_precisio
             ("b", 0, "fp16", 4, "none", -0.2), ("b+ckpt", 0, "fp16", 4, "layers", None), ("c+ckpt", 0.5, "all-bf16", 16, "layers", None)]
     df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "quality_change"])
     df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 1.0, ""
+    df["activation_bits"] = 0
     frontier._exact_fill(df, "dynamicconv", quality_model.EXACT_DYNAMICCONV, quality_model.EXACT_DYNAMICCONV_PRECISIONS)
     by = df.set_index("name")
     assert by.loc["a+ckpt", ["quality_change", "quality_low", "quality_high"]].tolist() == [-1.5, -2.5, -0.5]

@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--time", action="store_true", help="measure each fitting configuration's step time on the CPU")
     q.add_argument("--exact-only", action="store_true", help="only levers proven exact")
     q.add_argument("--optimizer-state", nargs="+", choices=planner.OPTIMIZER_STATE, default=list(planner.OPTIMIZER_STATE),
-                   help="the optimizer's own state (given), its 8-bit counterpart, Kahan's SGD under half-bf16 (default: all; "
+                   help="the optimizer's own state (given), its 8-bit counterpart, Kahan's SGD under half-bf16 (for "
+                        "lightconv_iwslt_de_en: the plugin's Kahan AdamW under --precision half-bf16) (default: all; "
                         "each costs the plan as much time again)")
     q.add_argument("--step", nargs="+", choices=STEPS, default=list(STEPS),
                    help="the optimizer's step after backward (plain) and/or fused into backward (fused: the whole batch in "

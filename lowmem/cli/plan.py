@@ -24,7 +24,9 @@ it rules out clipping by the global norm, so the plan counts it as a cost of its
 
 The optimizer-state lever swaps the request's optimizer for its counterpart that keeps the same update with other
 state (``STATE``): bitsandbytes' block-wise 8-bit state (heavy-ball SGD's momentum, AdamW's moments), or, under
-16-bit weights, torch-optimi's SGD with Kahan summation (a 16-bit compensation buffer beside the momentum).
+16-bit weights, torch-optimi's SGD with Kahan summation (a 16-bit compensation buffer beside the momentum). For a
+fairseq architecture the settings are the plugin's optimizers (``lowmem.cli.plan_fairseq``: 8-bit AdamW, and
+torch-optimi's Kahan AdamW for lightconv under the plugin's bf16 weights).
 
 Checkpointing cuts the model's chains of blocks (``lowmem.cli.profile.chains``) into segments placed by the DP
 planner (``lowmem.techniques.checkpoint.frontier``, over every chain at once): the placement of least recompute that

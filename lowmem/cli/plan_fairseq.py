@@ -46,8 +46,9 @@ def base_args(req: Request) -> list[str]:
             "--optimizer", FAIRSEQ_OPTIMIZERS[req.optimizer], "--lr", "0.0005"]
 
 
-def options(req: Request) -> dict[str, list[list[str]]]:
-    """Each lever's settings as flags, for this architecture."""
+def options(req: Request) -> dict[str, Any]:
+    """Each lever's settings as flags, for this architecture: a list per lever, and for the optimizer state a dict
+    by setting name."""
     from lowmem.dynamicconv.memory import model_args
 
     tokens = req.tokens or req.batch * req.input[0]

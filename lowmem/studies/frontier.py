@@ -82,7 +82,7 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
     test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
     compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
     step's saved tensors packed), so those rows neither give nor take a twin's quality."""
-    lossy = [d for d in dims(task) if d not in exact and d in df]  # ``results`` checks that the sweep has them all
+    lossy = [d for d in dims(task) if d not in exact]
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
@@ -104,14 +104,17 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     widens by the seed noise, ``widen_by_seed_noise``; DynamicConv's from stage 08, the combination study, then the
     levers stages' arms of the paper's levers, ``paper_arms_dynamicconv``), where the
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, whether the
-    combination uses a lever beyond the paper (``beyond``: WRN's compressed activations, a dimension of its grid),
-    and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone."""
+    combination uses a lever beyond the paper (``beyond``: compressed activations, a dimension of both grids),
+    and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone.
+    DynamicConv's rows beyond the paper (its precision settings beyond it, compressed activations) are accounted
+    points here, without quality: their runs are ``beyond_rows_dynamicconv``'s."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
     if missing := [d for d in dims(task) if d not in df]:
         raise ValueError(f"{sweep_dir / f'{task}_sweep.csv'} has no column {missing}: it was made for another grid; "
                          f"rerun the sweep (dvc repro combinations_sweep_{task})")
-    if task == "dynamicconv":  # the paper's levers only; those beyond it are ``beyond_rows_dynamicconv``'s
-        df = df[~df.precision.isin(BEYOND_PAPER_DYNAMICCONV) & (df.activation_bits == 0)].reset_index(drop=True)
+    df["beyond"] = df.config.map(lambda c: beyond_paper(json.loads(c)))
+    if task == "dynamicconv":  # their quality is ``beyond_rows_dynamicconv``'s; here they are accounted points only
+        df["beyond"] |= df.precision.isin(BEYOND_PAPER_DYNAMICCONV)
     selected = selection(task, sweep_dir)
     chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
@@ -158,12 +161,11 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 r.get("sacrebleu_change", r["sacrebleu"] - base), r.get("sacrebleu_change_low", np.nan), r.get("sacrebleu_change_high", np.nan), 1,
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
-        profile |= paper_arms_dynamicconv(df, metrics_dir)
+        profile |= paper_arms_dynamicconv(df, metrics_dir, stage08["max_update"])
         _exact_fill(df, task, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
     df["profile"] = profile.pop()
-    df["beyond"] = df.config.map(lambda c: beyond_paper(json.loads(c)))
     df["pareto"] = False
     df.loc[~df.beyond, "pareto"] = pareto(df[~df.beyond])
     return df
@@ -256,8 +258,7 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     frames: list[pd.DataFrame] = []
     for stage, path in paths.items():
         res = json.loads(path.read_text())
-        packed = sweep.activation_bits != 0 if "activation_bits" in sweep else False  # a sweep from before the dimension
-        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV) | packed].reset_index(drop=True)
+        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV) | (sweep.activation_bits != 0)].reset_index(drop=True)
         mem = res.get("memory", {})
         extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in in_sweep]
         if missing := [t for t in [*extra, "baseline"] if extra and t not in mem]:
@@ -287,13 +288,14 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     return out[~out.name.duplicated()].reset_index(drop=True)
 
 
-def paper_arms_dynamicconv(df: pd.DataFrame, metrics_dir: Path) -> set[str]:
+def paper_arms_dynamicconv(df: pd.DataFrame, metrics_dir: Path, updates: int) -> set[str]:
     """Fills in ``df`` (DynamicConv's combinations of the paper's levers, ``results``) the quality and time of the
     rows that neither stage 08 nor the combination study trained but a levers stage (``LEVERS_STAGES_DYNAMICCONV``)
     did, as a control beside its levers (update-freq 16 in stage translation_kahan_train): the arm's sacreBLEU change
     against the baseline trained beside it, as every other row's is against its own. Without this, the rows "the
     paper's" would miss a configuration of the paper's own levers that was trained and scored. An arm in two stages
-    is the first one's. Returns the profiles of the stages that gave a row."""
+    is the first one's. ``updates``: stage 08's length, which each stage that gives a row must have trained.
+    Returns the profiles of the stages that gave a row."""
     profiles: set[str] = set()
     for stage in LEVERS_STAGES_DYNAMICCONV:
         path = Path(metrics_dir) / f"{stage}.json"
@@ -301,9 +303,12 @@ def paper_arms_dynamicconv(df: pd.DataFrame, metrics_dir: Path) -> set[str]:
             continue
         res = json.loads(path.read_text())
         for r in res["trained"]:
-            i = df.index[(df.name == r["technique"]) & df.quality_change.isna()]
+            i = df.index[(df.name == r["technique"]) & df.quality_change.isna() & ~df.beyond]
             if r["technique"] == "baseline" or i.empty:
                 continue
+            if res["max_update"] != updates:
+                raise ValueError(f"stage {stage} trained {res['max_update']} updates but stage 08's baseline {updates}: "
+                                 "rerun both at one length")
             df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio", "quality_from"]] = [
                 r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1,
                 res["time_ratio"].get(r["technique"], np.nan), f"stage {stage}"]
@@ -657,7 +662,18 @@ def comparison_caption(s: Study) -> str:
             "setting says). At the cpu profile the quality is measured "
             "on a smaller model and offline data, not CIFAR-10 or IWSLT'14. The rows \"the paper's and beyond\" add "
             "the configurations with a lever beyond the paper, each paired with the baseline trained beside it in its "
-            f"own study, on that study's machine ({', '.join(quality_sources(s))}). {rules_text()}")
+            f"own study, on that study's machine ({', '.join(quality_sources(s))}).{paper_arms_text(s)} {rules_text()}")
+
+
+def paper_arms_text(s: Study) -> str:
+    """What ``paper_arms_dynamicconv`` added to DynamicConv's rows "the paper's", as a sentence (empty if nothing)."""
+    r = s.results.get("dynamicconv")
+    stages = [] if r is None else sorted({q.removeprefix("stage ") for q in r.quality_from
+                                          if q.removeprefix("stage ") in LEVERS_STAGES_DYNAMICCONV})
+    if not stages:
+        return ""
+    return (" DynamicConv's rows \"the paper's\" also take the runs of the paper's levers alone that a levers stage "
+            f"trained beside its own baseline (stage {', '.join(stages)}).")
 
 
 def quality_sources(s: Study) -> list[str]:
