@@ -578,7 +578,8 @@ def figure(s: Study) -> Figure:
                 box[2:] = [box[2] + 9, box[3] + 9]
             boxes.append(box)
             ax.annotate(str(k), (row.reduction, row.quality_change), textcoords="offset points",
-                        xytext=(4, box[2] - y), fontsize=7, fontweight="bold")
+                        xytext=(4, box[2] - y), fontsize=7, fontweight="bold", zorder=6,  # over the stars (zorder 4)
+                        bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.75})
             key.append(f"{k}: {row.name} ({row.reduction:.1f}x, {row.quality_change:+.2f})")
         ax.text(0.0, -0.2, "\n".join(key), transform=ax.transAxes, va="top", ha="left", fontsize=7)
         key_lines = max(key_lines, len(key))
