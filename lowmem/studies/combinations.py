@@ -457,9 +457,9 @@ def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, l
     if p.task == "dynamicconv":
         from lowmem.studies import translation as translation_study  # fairseq: imported only where DynamicConv runs
 
-        mem = translation_study.memory(translation_params(p, configs))
+        mem = translation_study.memory(translation_params(p, configs), progress)
         by_name = mem.set_index("technique")
-    for cfg in tqdm(configs, desc=f"accounting {p.task} combinations", disable=not progress, mininterval=10):
+    for cfg in tqdm(configs, desc=f"accounting {p.task} combinations", disable=not progress or p.task != "wrn", mininterval=10):
         n = name(p, cfg)
         full = {d: cfg.get(d, getattr(p, d)[0]) for d in dims(p.task)}
         row: dict[str, Any] = {"name": n, **full, "config": json.dumps(cfg), "techniques": len(cfg), "mildness": mildness(p, cfg)}

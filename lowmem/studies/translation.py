@@ -33,6 +33,7 @@ import seaborn as sns
 import torch
 import yaml
 from matplotlib.figure import Figure
+from tqdm import tqdm
 
 from lowmem import runs
 from lowmem.config import PARAMS_YAML, ParamError, load, resolve
@@ -71,11 +72,12 @@ def train_params(p: TranslationTechniquesParams, name: str) -> TranslationTrainP
                                   max_update=p.max_update, warmup_updates=p.warmup_updates, lr=p.lr)
 
 
-def memory(p: TranslationTechniquesParams) -> pd.DataFrame:
+def memory(p: TranslationTechniquesParams, progress: bool = False) -> pd.DataFrame:
     """One row per technique: the accounted peak of one update of the full-size model (the recipe's arguments,
-    no profile scaling) at ``max_tokens`` tokens in sentences of ``reference_length``, by category."""
+    no profile scaling) at ``max_tokens`` tokens in sentences of ``reference_length``, by category. ``progress``:
+    a bar, for the combination sweep's hundreds of configurations (several seconds each)."""
     rows = []
-    for name in p.techniques:
+    for name in tqdm(p.techniques, desc="accounting DynamicConv updates at full size", disable=not progress, mininterval=10):
         r = translation_memory.account([*p.recipe_args, *plugin_args(p, name)], p.src_vocab, p.tgt_vocab, p.max_tokens,
                                        p.reference_length, seed=p.seed)
         row: dict[str, Any] = {"technique": name, "options": " ".join(map(str, p.techniques[name])) or "(none)"}
