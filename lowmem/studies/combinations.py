@@ -47,7 +47,7 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, beyond_paper, dims, paired_change, predict,
+from lowmem.studies.quality_model import (EXACT, beyond_paper_rows, dims, paired_change, predict,
                                           selection)
 from lowmem.techniques import compress, precision
 from lowmem.wrn import memory as wrn_memory
@@ -215,8 +215,7 @@ def select(p: CombinationsParams, memory: pd.DataFrame) -> list[dict[str, Any]]:
     if p.task == "dynamicconv":
         # The levels are the paper's levers': levers beyond it train in stages translation_levers_train,
         # translation_activations_train and translation_kahan_train.
-        pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~pool.precision.isin(BEYOND_PAPER_DYNAMICCONV)
-                    & (pool.activation_bits == 0)]
+        pool = pool[pool.precision.map(lambda m: trainable(p, m)) & ~beyond_paper_rows(p.task, pool)]
     for level in ([] if p.search else p.levels):  # the search picks its levels after the singles have trained
         reach = pool[pool.reduction >= level]
         if reach.empty:
@@ -271,7 +270,7 @@ def search(p: CombinationsParams, memory: pd.DataFrame, effects: dict[tuple[str,
     pool = pool[pool.predicted_change.notna() & ~pool.name.isin(chosen)]
     picks = _search_levels(p, pool, "")
     if p.search_paper:
-        paper = pool[~pool.config.map(lambda c: beyond_paper(json.loads(c))) & ~pool.name.isin([c["name"] for c in picks])]
+        paper = pool[~beyond_paper_rows(p.task, pool) & ~pool.name.isin([c["name"] for c in picks])]
         picks += _search_levels(p, paper, " (the paper's levers)")
     return picks
 

@@ -29,9 +29,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, EXACT_DYNAMICCONV,
-                                          EXACT_DYNAMICCONV_PRECISIONS, beyond_paper, dims, paired_change, predict,
-                                          selection)
+from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, beyond_paper,
+                                          beyond_paper_rows, dims, paired_change, predict, selection)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -112,9 +111,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     if missing := [d for d in dims(task) if d not in df]:
         raise ValueError(f"{sweep_dir / f'{task}_sweep.csv'} has no column {missing}: it was made for another grid; "
                          f"rerun the sweep (dvc repro combinations_sweep_{task})")
-    df["beyond"] = df.config.map(lambda c: beyond_paper(json.loads(c)))
-    if task == "dynamicconv":  # their quality is ``beyond_rows_dynamicconv``'s; here they are accounted points only
-        df["beyond"] |= df.precision.isin(BEYOND_PAPER_DYNAMICCONV)
+    df["beyond"] = beyond_paper_rows(task, df)  # DynamicConv's: accounted points here, their runs are beyond_rows_dynamicconv's
     selected = selection(task, sweep_dir)
     chosen = selected["selected"]
     runs = [json.loads(f.read_text()) for f in sorted((metrics_dir / "combinations").glob(f"{task}-*.json"))]
@@ -258,7 +255,7 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     frames: list[pd.DataFrame] = []
     for stage, path in paths.items():
         res = json.loads(path.read_text())
-        df = sweep[sweep.precision.isin(BEYOND_PAPER_DYNAMICCONV) | (sweep.activation_bits != 0)].reset_index(drop=True)
+        df = sweep[beyond_paper_rows("dynamicconv", sweep)].reset_index(drop=True)
         mem = res.get("memory", {})
         extra = [r["technique"] for r in res["trained"] if r["technique"] != "baseline" and r["technique"] not in in_sweep]
         if missing := [t for t in [*extra, "baseline"] if extra and t not in mem]:

@@ -45,6 +45,16 @@ def beyond_paper(techniques: dict[str, Any]) -> bool:
     return any(techniques.get(k, off) != off for k, off in BEYOND_PAPER.items())
 
 
+def beyond_paper_rows(task: str, grid: pd.DataFrame) -> pd.Series:
+    """Which rows of ``task``'s combination grid (a sweep table, with its ``config`` column) use a lever beyond the
+    paper: WRN's and DynamicConv's ``BEYOND_PAPER`` fields (compressed activations), and DynamicConv's precision
+    settings beyond it (``BEYOND_PAPER_DYNAMICCONV``)."""
+    beyond = grid.config.map(lambda c: beyond_paper(json.loads(c))).astype(bool)
+    if task == "dynamicconv":
+        beyond |= grid.precision.isin(BEYOND_PAPER_DYNAMICCONV)
+    return beyond
+
+
 def paired_change(run: dict[str, Any], baseline: dict[str, Any]) -> quality.Paired:
     """A trained WRN combination's accuracy change in points against the baseline's runs of the same seeds
     (``lowmem.studies.quality.paired``)."""
