@@ -332,6 +332,7 @@ def test_the_sac_cross_check_asks_both_tools_to_free_more_and_each_recomputes_mo
      "torchvision has no classification model 'resnet5'"),
     ({"sac_models": [{"name": "x", "model": "wrn:wrn-10-1"}]}, "each model is a mapping with exactly"),
     ({"memtracker_families": ["cnn"]}, "memtracker_families: \\['cnn'\\] unknown"),
+    ({"workers": 0}, "workers must be a whole number of processes, at least 1"),
     ({"models": [{"name": "x", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum",
                   "optimizer_state": ["given", "4-bit"]}]}, "optimizer_state must list 'given' and some of"),
     ({"sac_models": [{"name": "x", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum",
@@ -344,6 +345,22 @@ def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
     params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     with pytest.raises(ParamError, match=says):
         resolve("planner", {**params, "planner": {**params["planner"], **block}})
+
+
+def test_the_planner_stage_gives_the_same_tables_on_two_processes_as_on_one():
+    from lowmem import config
+    from lowmem.cli import study
+
+    # Two small models, so that the jobs can finish out of order, at a budget where some levers are needed and one
+    # where nothing is; and the cross-checks at smoke size.
+    entry = {"model": "lowmem.cli.examples:conv1d", "input": "8x128", "optimizer": "adam"}
+    p = dataclasses.replace(config.load("planner"), budgets=["600KiB", "1GiB"],
+                            models=[{"name": "conv1d at 8", "batch": 8, **entry}, {"name": "conv1d at 4", "batch": 4, **entry}])
+    one, two = study.run(p), study.run(dataclasses.replace(p, workers=2))
+    assert list(one) == list(two)
+    for key in one:
+        pd.testing.assert_frame_equal(one[key], two[key])
+    assert list(two["breakdown"].model) == ["conv1d at 8", "conv1d at 4"]
 
 
 def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq():

@@ -34,7 +34,7 @@ def levers(m: dict) -> Levers:
 class PlannerParams:
     """Stage ``planner``: ``lowmem plan`` on ``models`` at each of ``budgets``, with each model's breakdown, and the
     cross-checks: the accountant against MemTracker on ``memtracker_families`` (``crosscheck.FAMILIES``), the DP
-    checkpoint planner against PyTorch's SAC integer program on ``sac_models``."""
+    checkpoint planner against PyTorch's SAC integer program on ``sac_models``; ``workers`` processes at once."""
 
     profile: str = "smoke"
     seed: int = 0
@@ -44,9 +44,12 @@ class PlannerParams:
     memtracker_families: list[str] = field(default_factory=lambda: ["1-d convolutions"])
     sac_models: list[dict] = field(default_factory=lambda: [
         {"name": "WRN-10-1", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum"}])
+    workers: int = 1  # processes that share the accounting (lowmem.cli.study.run); no number depends on it
 
     def __post_init__(self) -> None:
         check_choice("profile", self.profile, PROFILES)
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ParamError(f"workers must be a whole number of processes, at least 1 (e.g. this machine's cores), got {self.workers!r}")
         for key in ("models", "sac_models"):
             entries = getattr(self, key)
             if not isinstance(entries, list) or not entries:

@@ -7,6 +7,10 @@ model's breakdown and the two cross-checks against PyTorch's own tools (``lowmem
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from functools import partial
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -27,25 +31,49 @@ GIB = 2**30
 
 def run(p: PlannerParams) -> dict[str, pd.DataFrame]:
     """{breakdown, plans, memtracker, sac}: each model's plain step by category (bytes), the Pareto set that fits
-    each budget (or the smallest peak when nothing does), and the cross-check tables."""
-    breakdown, plans = [], []
-    for m in tqdm(p.models, desc="planning", disable=None):
-        req = request(m)
-        r = account(req)
-        breakdown.append({"model": m["name"], "spec": m["model"], "batch": m["batch"], "input": m["input"],
-                          "optimizer": m["optimizer"], "peak_bytes": r.peak, "peak_phase": r.peak_phase,
-                          **{f"at_peak_{c}": r.at_peak[c] for c in CATEGORIES}})
-        cache: dict[Any, Any] = {}  # the accounted configurations, shared by the budgets
-        for b in p.budgets:
-            try:
-                front = make_plan(req, budget_bytes(b), progress=False, cache=cache, levers=levers(m)).fitting
-                plans += [{"model": m["name"], "budget": b, "fits": True, **row} for row in front.drop(columns=["tech"]).to_dict("records")]
-            except SpecError as e:  # nothing fits: the message names the smallest peak and its configuration
-                plans.append({"model": m["name"], "budget": b, "fits": False, "quality_risk": str(e)})
-    return {"breakdown": pd.DataFrame(breakdown), "plans": pd.DataFrame(plans),
-            "memtracker": crosscheck.table(p.memtracker_families),
-            "sac": crosscheck.sac_table([request(m) for m in p.sac_models]).assign(
+    each budget (or the smallest peak when nothing does), and the cross-check tables. ``p.workers`` processes share
+    the work, one model's plans or one cross-check at a time (``_jobs``); the tables do not depend on how many
+    (tests/test_cli.py)."""
+    jobs = _jobs(p)
+    if p.workers == 1:
+        done = [job() for job in tqdm(jobs, desc="planning", disable=None)]
+    else:
+        # Accounting on tensors without values is Python dispatch on one core, so each core takes a job of its own.
+        # Spawned, not forked: the workers import torch afresh rather than inherit the notebook kernel's threads.
+        with ProcessPoolExecutor(p.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(job) for job in jobs]
+            for _ in tqdm(as_completed(futures), total=len(futures), desc=f"planning ({p.workers} processes)", disable=None):
+                pass
+            done = [f.result() for f in futures]
+    plans = done[:len(p.models)]
+    return {"breakdown": pd.DataFrame([b for b, _ in plans]), "plans": pd.DataFrame([r for _, rows in plans for r in rows]),
+            "memtracker": done[len(p.models)], "sac": done[len(p.models) + 1].assign(
                 name=[m["name"] for m in p.sac_models for _ in crosscheck.FREED])}
+
+
+def _jobs(p: PlannerParams) -> list[Callable[[], Any]]:
+    """Each model's breakdown and plans (the budgets of one model share its accounted configurations, so they stay in
+    one job), then the MemTracker and SAC cross-checks, as calls a worker process can take (picklable)."""
+    return ([partial(model_plans, m, p.budgets) for m in p.models]
+            + [partial(crosscheck.table, p.memtracker_families),
+               partial(crosscheck.sac_table, [request(m) for m in p.sac_models])])
+
+
+def model_plans(m: dict[str, Any], budgets: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the plain step's breakdown, the plan rows at each of ``budgets``) of model entry ``m``."""
+    req = request(m)
+    r = account(req)
+    breakdown = {"model": m["name"], "spec": m["model"], "batch": m["batch"], "input": m["input"], "optimizer": m["optimizer"],
+                 "peak_bytes": r.peak, "peak_phase": r.peak_phase, **{f"at_peak_{c}": r.at_peak[c] for c in CATEGORIES}}
+    plans: list[dict[str, Any]] = []
+    cache: dict[Any, Any] = {}  # the accounted configurations, shared by the budgets
+    for b in budgets:
+        try:
+            front = make_plan(req, budget_bytes(b), progress=False, cache=cache, levers=levers(m)).fitting
+            plans += [{"model": m["name"], "budget": b, "fits": True, **row} for row in front.drop(columns=["tech"]).to_dict("records")]
+        except SpecError as e:  # nothing fits: the message names the smallest peak and its configuration
+            plans.append({"model": m["name"], "budget": b, "fits": False, "quality_risk": str(e)})
+    return breakdown, plans
 
 
 def _source(p: PlannerParams) -> str:
