@@ -363,6 +363,49 @@ def test_the_planner_stage_gives_the_same_tables_on_two_processes_as_on_one():
     assert list(two["breakdown"].model) == ["conv1d at 8", "conv1d at 4"]
 
 
+def test_the_planner_stage_keeps_its_jobs_order_when_they_finish_in_reverse(monkeypatch):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from functools import partial
+
+    from lowmem import config
+    from lowmem.cli import crosscheck, study
+
+    p = dataclasses.replace(config.load("planner"), workers=4)
+    models = [dict(p.models[0], name=n) for n in ("first", "second")]
+    p = dataclasses.replace(p, models=models)
+    results = [({"model": "first"}, [{"model": "first", "budget": "1GiB"}]),
+               ({"model": "second"}, [{"model": "second", "budget": "1GiB"}]),
+               pd.DataFrame({"family": ["memtracker's"]}), pd.DataFrame({"freed_share": list(crosscheck.FREED)})]
+
+    def job(i: int) -> object:
+        time.sleep(0.2 * (len(results) - i))  # the last submitted finishes first
+        return results[i]
+
+    # Threads in place of processes, so that the jobs need not be importable; the pool's logic is the same.
+    monkeypatch.setattr(study, "_jobs", lambda _: [partial(job, i) for i in range(len(results))])
+    monkeypatch.setattr(study, "ProcessPoolExecutor", lambda n, mp_context=None: ThreadPoolExecutor(n))
+    res = study.run(p)
+    assert list(res["breakdown"].model) == ["first", "second"] and list(res["plans"].model) == ["first", "second"]
+    assert list(res["memtracker"].family) == ["memtracker's"] and list(res["sac"].freed_share) == list(crosscheck.FREED)
+
+
+def test_the_sac_cross_check_is_the_same_whatever_numpys_global_generator_holds_and_leaves_it_as_it_was():
+    import numpy as np
+
+    from lowmem.cli import crosscheck
+
+    req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
+    rows = []
+    for seed in (1, 2):
+        np.random.seed(seed)
+        before = np.random.get_state()
+        rows.append(crosscheck.sac_ilp(req, freed=(0.2,)))
+        after = np.random.get_state()
+        assert before[0] == after[0] and (before[1] == after[1]).all() and before[2:] == after[2:]
+    assert rows[0] == rows[1]
+
+
 def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq():
     from lowmem.cli import plan_fairseq
     from lowmem.dynamicconv import memory as fairseq_memory

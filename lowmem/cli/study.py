@@ -40,11 +40,16 @@ def run(p: PlannerParams) -> dict[str, pd.DataFrame]:
     else:
         # Accounting on tensors without values is Python dispatch on one core, so each core takes a job of its own.
         # Spawned, not forked: the workers import torch afresh rather than inherit the notebook kernel's threads.
-        with ProcessPoolExecutor(p.workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = [pool.submit(job) for job in jobs]
-            for _ in tqdm(as_completed(futures), total=len(futures), desc=f"planning ({p.workers} processes)", disable=None):
-                pass
-            done = [f.result() for f in futures]
+        pool = ProcessPoolExecutor(p.workers, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for f in tqdm(as_completed(futures), total=len(futures), desc=f"planning ({p.workers} processes)", disable=None):
+                f.result()  # a job's error stops the stage now, not after the other jobs' minutes
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
+        done = [f.result() for f in futures]  # in the jobs' order, whichever finished first
     plans = done[:len(p.models)]
     return {"breakdown": pd.DataFrame([b for b, _ in plans]), "plans": pd.DataFrame([r for _, rows in plans for r in rows]),
             "memtracker": done[len(p.models)], "sac": done[len(p.models) + 1].assign(
