@@ -576,3 +576,157 @@ def test_the_report_shows_a_wide_figure_scaled_to_its_width_with_the_aspect_kept
         assert im.size == (report.REPORT_WIDTH_PX, report.REPORT_WIDTH_PX // 4)
     with Image.open(io.BytesIO(report.shown_png(tmp_path / "narrow.png"))) as im:
         assert im.size == (700, 500)
+
+
+# --- WRN's optimizer levers in the grid, and the grid's accounting on processes and from its cache ---------------
+
+SMALL_WRN = {"model": "wrn-10-1", "num_classes": 10, "in_channels": 3, "image_size": 32, "batch_size": 16, "device": "cpu"}
+
+
+def _optimizer_grid(**kw: object) -> combinations.CombinationsParams:
+    return small(**{"sparsity": [0, 0.9], "precision": ["fp32", "half-bf16", "half-bf16-kahan"], "microbatch": [0, 8],
+                    "checkpoint": ["none"], "optimizer": ["sgd", "bnb-sgd8bit"], "search": True,
+                    "singles": [{"sparsity": 0.9}], **kw})
+
+
+def test_the_wrn_grid_holds_8bit_momentum_and_kahan_bf16_as_settings_beyond_the_paper() -> None:
+    p = _optimizer_grid()
+    g = combinations.grid(p)
+    # 2 x 3 x 2 x 2 settings, less the 4 that would give Kahan's torch-optimi SGD a second optimizer
+    assert len(g) == 24 - 4 and not [c for c in g if c.get("precision") == "half-bf16-kahan" and "optimizer" in c]
+    names = [combinations.name(p, c) for c in g]
+    # named as the levers stages' arms, so their runs and the grid's rows are one configuration
+    assert "microbatch-8+bnb-sgd8bit" in names and "sparsity-0.9+half-bf16-kahan+microbatch-8" in names
+    kahan = combinations.wrn_techniques(p, {"precision": "half-bf16-kahan", "microbatch": 8})
+    assert (kahan.precision, kahan.optimizer, kahan.microbatch) == ("half-bf16", "optimi-sgd", 8)
+    assert combinations.wrn_techniques(p, {"optimizer": "bnb-sgd8bit"}).optimizer == "bnb-sgd8bit"
+    table = pd.DataFrame({"config": [json.dumps(c) for c in g], "precision": [c.get("precision", "fp32") for c in g]})
+    beyond = quality_model.beyond_paper_rows("wrn", table)
+    assert [c for c, b in zip(g, beyond) if b] == [c for c in g if c.get("precision") == "half-bf16-kahan" or "optimizer" in c]
+    # the levers stages' arm is the grid's configuration, and back
+    assert quality_model.grid_config("wrn", {"precision": "half-bf16", "optimizer": "optimi-sgd"}) == {"precision": "half-bf16-kahan"}
+    assert quality_model.techniques_config("wrn", {"precision": "half-bf16-kahan"}) == {"precision": "half-bf16", "optimizer": "optimi-sgd"}
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"optimizer": ["sgd", "adam"]}, "optimizer: 'adam' is not allowed; use one of sgd, bnb-sgd8bit"),
+    ({"optimizer": ["sgd", "optimi-sgd"]}, "Kahan's optimi-sgd is the precision setting half-bf16-kahan"),
+    ({"optimizer": ["bnb-sgd8bit", "sgd"]}, "must start with its 'off' value"),
+    ({"precision": ["fp32", "mixed-bf16-kahan"]}, "precision: 'mixed-bf16-kahan'.*Kahan's settings: half-bf16-kahan"),
+    ({"workers": 0}, "workers must be an integer >= 1"),
+    ({"search": False, "optimizer": ["sgd", "bnb-sgd8bit"], "activation_bits": [0]}, "needs search: true"),
+    ({"effects_from": ["levers_tran"]}, "effects_from: \\['levers_tran'\\] not allowed"),
+])
+def test_a_bad_optimizer_lever_stops_before_any_compute(kw: dict, match: str) -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["combinations_wrn"] = {**params["combinations_wrn"], **kw}
+    with pytest.raises(ParamError, match=match):
+        combinations.resolve_task("wrn", params)
+
+
+def test_dynamicconv_takes_no_optimizer_list_and_a_missing_library_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    bad = {**params, "combinations_dynamicconv": {**params["combinations_dynamicconv"], "optimizer": ["sgd", "bnb-sgd8bit"]}}
+    with pytest.raises(ParamError, match="DynamicConv's optimizer levers are precision settings \\(adamw-8bit, all-bf16-kahan\\)"):
+        combinations.resolve_task("dynamicconv", bad)
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find(name, *a))
+    params["combinations_wrn"] = {**params["combinations_wrn"], "optimizer": ["sgd", "bnb-sgd8bit"]}
+    with pytest.raises(ParamError, match="needs bitsandbytes, which is not installed: `make setup`"):
+        combinations.resolve_task("wrn", params)
+
+
+def test_the_grid_accounts_its_rows_as_the_accountant_does_kahan_doubling_the_bf16_state() -> None:
+    p = _optimizer_grid(wrn=SMALL_WRN)
+    rows = {n: combinations.wrn_memory_row(p, c) for n, c in [
+        ("plain", {"precision": "half-bf16"}), ("kahan", {"precision": "half-bf16-kahan"}), ("bnb", {"optimizer": "bnb-sgd8bit"})]}
+    # bf16 momentum, then bf16 momentum and a bf16 compensation per weight
+    assert rows["kahan"]["optimizer_mib"] == 2 * rows["plain"]["optimizer_mib"]
+    from lowmem.techniques.step import Techniques
+    from lowmem.wrn import memory as wrn_memory
+    direct = wrn_memory.account(Techniques(optimizer="bnb-sgd8bit", sparse_format=p.sparse_format,
+                                           dsr_periods=tuple(p.dsr["dsr_periods"]), dsr_reallocate=p.dsr["dsr_reallocate"]),
+                                combinations.wrn_shape(p), p.seed)
+    assert rows["bnb"]["total_mib"] * 2**20 == direct.peak
+
+
+def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _optimizer_grid(wrn=SMALL_WRN, workers=2)
+    configs = [{}, {"optimizer": "bnb-sgd8bit"}, {"precision": "half-bf16-kahan", "microbatch": 8}, {"sparsity": 0.9, "optimizer": "bnb-sgd8bit"}]
+    serial = [combinations.wrn_memory_row(p, c) for c in configs]
+    cache = tmp_path / "wrn_memory.csv"
+    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial  # spawned processes
+    table = pd.read_csv(cache)
+    assert list(table.memory_key) == combinations.memory_keys(p, configs)[0] and len(set(table.memory_key)) == 4
+    # From the cache nothing is accounted again; a row another accountant wrote is; an interruption keeps what was done.
+    p.workers = 1
+    calls: list[dict] = []
+    fail_at = [3]  # the call that is killed
+    real = combinations.wrn_memory_row
+
+    def counted(q: combinations.CombinationsParams, cfg: dict) -> dict:
+        calls.append(cfg)
+        if len(calls) == fail_at[0]:
+            raise InterruptedError("killed")
+        return real(q, cfg)
+
+    monkeypatch.setattr(combinations, "wrn_memory_row", counted)
+    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == []
+    table.loc[1, "accountant"] = "another"
+    table.to_csv(cache, index=False)
+    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == [configs[1]]
+    cache.unlink()
+    calls.clear()
+    with pytest.raises(InterruptedError):
+        combinations.wrn_memory_rows(p, configs, progress=False, cache=cache, every=2)
+    assert len(pd.read_csv(cache)) == 2  # the first part, written before the interruption
+    calls.clear()
+    fail_at[0] = 0
+    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == configs[2:]
+
+
+def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_single_trains(tmp_path: Path) -> None:
+    p = _optimizer_grid(singles=[{"precision": "half-bf16"}], effects_from=["levers_state_train", "levers_train"])
+    arm = lambda acc, **tech: {"techniques": tech, "per_seed_acc": acc}  # noqa: E731
+    seeds = p.train_seeds
+    base = [0.90 + 0.01 * s for s in seeds]
+    state = {"profile": p.profile, "seeds": seeds, "arms": {
+        "baseline": arm(base), "bnb-sgd8bit": arm([a - 0.005 for a in base], optimizer="bnb-sgd8bit"),
+        "optimi-sgd": arm([a - 0.5 for a in base], optimizer="optimi-sgd"),  # not a setting of this grid
+        "microbatch-8+bnb-sgd8bit": arm([a - 0.5 for a in base], microbatch=8, optimizer="bnb-sgd8bit")}}  # two settings
+    levers = {"profile": p.profile, "seeds": seeds, "arms": {
+        "baseline": arm([a + 0.1 for a in base]), "half-bf16": arm(base, precision="half-bf16"),
+        "half-bf16+optimi-sgd": arm([a + 0.08 for a in base], precision="half-bf16", optimizer="optimi-sgd")}}
+    (tmp_path / "levers_state_train.json").write_text(json.dumps(state))
+    (tmp_path / "levers_train.json").write_text(json.dumps(levers))
+    trained = [{"slot": 0, **_slot("baseline", base, seeds)}, {"slot": 1, **_slot("half-bf16", [a - 0.003 for a in base], seeds)}]
+    effects = combinations.lever_effects(p, trained, tmp_path)
+    assert set(effects) == {("precision", "half-bf16"), ("optimizer", "bnb-sgd8bit"), ("precision", "half-bf16-kahan")}
+    # the single's own slot wins over the levers stage's arm of the same setting; each arm against its own baseline
+    assert effects[("precision", "half-bf16")][1] == "slot 1" and effects[("precision", "half-bf16")][0].mean == pytest.approx(-0.3)
+    assert effects[("optimizer", "bnb-sgd8bit")][0].mean == pytest.approx(-0.5)
+    assert effects[("optimizer", "bnb-sgd8bit")][1] == "stage levers_state_train"
+    assert effects[("precision", "half-bf16-kahan")][0].mean == pytest.approx(-2.0)
+    levers["seeds"] = [7]
+    (tmp_path / "levers_train.json").write_text(json.dumps(levers))
+    with pytest.raises(FileNotFoundError, match="rerun stage levers_train"):
+        combinations.lever_effects(p, trained, tmp_path)
+
+
+def test_a_slot_whose_metrics_hold_the_same_runs_is_kept_and_any_difference_retrains() -> None:
+    p = _optimizer_grid()
+    chosen = {"slot": 12, "name": "microbatch-8+bnb-sgd8bit", "role": "search maximum",
+              "config": {"microbatch": 8, "optimizer": "bnb-sgd8bit"}, "predicted_change": -1.0}
+    base = combinations.BaselineParams(**p.train)
+    keys = [combinations.store_run(base, s, combinations.wrn_techniques(p, chosen["config"], base.batch_size)).key
+            for s in p.train_seeds]
+    previous = {"task": "wrn", "profile": p.profile, **chosen, "slot": 14, "role": "search 64x", "seeds": p.train_seeds,
+                "runs": [{"key": k, "seed": s, "trained": True} for k, s in zip(keys, p.train_seeds)], "per_seed_acc": [0.9]}
+    kept = combinations.kept_wrn(p, chosen, previous)
+    assert kept["slot"] == 12 and kept["role"] == "search maximum" and kept["per_seed_acc"] == [0.9]
+    assert [r["trained"] for r in kept["runs"]] == [False] * len(keys) and all(r["kept"] for r in kept["runs"])
+    other = {**chosen, "config": {"microbatch": 8}}
+    assert combinations.kept_wrn(p, other, previous) is None  # another configuration
+    assert combinations.kept_wrn(p, chosen, {**previous, "runs": [{"key": "0" * 20}]}) is None  # other code or recipe
+    assert combinations.kept_wrn(p, chosen, {**previous, "profile": "cpu"}) is None

@@ -12,6 +12,7 @@ techniques named in params.yaml, then for each memory level the combination that
 mildest techniques (see ``select``). Each one is a slot of a DVC ``matrix`` stage.
 
     python -m lowmem.studies.combinations sweep wrn|dynamicconv [--params params.yaml]
+    python -m lowmem.studies.combinations account wrn   (the accounting alone, into data/combinations/wrn_memory.csv)
     python -m lowmem.studies.combinations train wrn|dynamicconv --slot N [--params params.yaml]
     python -m lowmem.studies.combinations search wrn   (then train the slots it picked)
 
@@ -28,10 +29,13 @@ import argparse
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +51,10 @@ from lowmem.dynamicconv.params import TranslationEvaluateParams, TranslationTech
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (EXACT, beyond_paper_rows, dims, paired_change, predict,
-                                          selection)
-from lowmem.techniques import compress, precision
+from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, KAHAN_PRECISIONS_WRN, LEVERS_STAGES,
+                                          arm_change, beyond_paper_rows, dims, grid_config, paired_change, predict,
+                                          selection, techniques_config)
+from lowmem.techniques import compress, optimizers, precision
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.data import load
 from lowmem.wrn.params import BaselineParams
@@ -76,6 +81,9 @@ class CombinationsParams:
     # Beyond the paper: bits of each activation saved for backward (lowmem.techniques.compress; DynamicConv: the
     # plugin's --activation-bits), 0 = as computed
     activation_bits: list[int] = field(default_factory=lambda: [0])
+    # WRN, beyond the paper: the optimizer (lowmem.techniques.optimizers; bnb-sgd8bit: momentum in 8 bits). Kahan's
+    # optimi-sgd enters as a precision setting (quality_model.KAHAN_PRECISIONS_WRN), where its weights are 16-bit.
+    optimizer: list[str] = field(default_factory=lambda: ["sgd"])
     singles: list[dict[str, Any]] = field(default_factory=list)  # single-technique points always trained, e.g. {sparsity: 0.9}
     levels: list[float] = field(default_factory=lambda: [4.0])  # memory reductions (x) at which one combination is trained
     trained_elsewhere: list[str] = field(default_factory=list)  # DynamicConv: configurations whose runs come from stage 08
@@ -89,7 +97,12 @@ class CombinationsParams:
     # with search: after the picks among every lever of the grid, the same levels (and maximum) among the paper's
     # levers alone, so that the headline's rows "the paper's" rest on trained combinations of them too
     search_paper: bool = False
+    # with search: stages of levers beyond the paper (metrics/<stage>.json, trained at this profile on train_seeds)
+    # whose arms that set one setting of the grid alone give that setting's effect, paired by seed with the study's
+    # own baseline, where no single here trains it (e.g. bnb-sgd8bit, half-bf16-kahan)
+    effects_from: list[str] = field(default_factory=list)
     timing_repeats: int = 1  # WRN: timed steps per combination (after a warm-up), all combinations in turn
+    workers: int = 1  # WRN: processes that account the grid (the timing runs in one, alone); the table is the same
     sparse_format: str = "csr16"  # WRN: accounted CSR index width (16-bit where every index fits)
     wrn: dict = field(default_factory=dict)  # WRN: the memory study's shapes (block ``sparsity``: model, batch, ...)
     train: dict = field(default_factory=dict)  # WRN: the baseline block, resolved (the trained runs' recipe)
@@ -108,18 +121,26 @@ class CombinationsParams:
         for cfg in self.singles:
             if not isinstance(cfg, dict) or len(cfg) != 1 or set(cfg) - set(dims(self.task)):
                 raise ParamError(f"combinations_{self.task}.singles: each is one technique's setting, {{name: value}} with a name among {dims(self.task)}; got {cfg!r}")
+        self._check_wrn_levers()
         bad = [b for b in self.activation_bits if b != 0 and b not in compress.BITS]
         if bad:
             raise ParamError(f"combinations_{self.task}.activation_bits: {bad} not allowed; use 0 (off) or one of "
                              f"{', '.join(map(str, compress.BITS))}")
         if (self.sparsity[0] != 0 or self.precision[0] != "fp32" or self.microbatch[0] not in (0, 1)
-                or self.checkpoint[0] != "none" or self.activation_bits[0] != 0):
+                or self.checkpoint[0] != "none" or self.activation_bits[0] != 0 or self.optimizer[0] != "sgd"):
             raise ParamError(f"combinations_{self.task}: each list must start with its 'off' value (sparsity 0, "
                              f"precision fp32, microbatch {'0' if self.task == 'wrn' else '1'}, checkpoint none, "
-                             "activation_bits 0): the baseline is the first combination")
-        if self.task == "wrn" and self.activation_bits != [0] and not self.search:
-            raise ParamError("combinations_wrn.activation_bits: a lever beyond the paper in the grid needs search: true "
-                             "(the levels picked by fewest techniques would mix it into the paper's rows)")
+                             "activation_bits 0, optimizer sgd): the baseline is the first combination")
+        if self.task == "wrn" and self.beyond_paper_in_grid() and not self.search:
+            raise ParamError("combinations_wrn: a lever beyond the paper in the grid (activation_bits, optimizer or a "
+                             "Kahan precision) needs search: true (the levels picked by fewest techniques would mix it "
+                             "into the paper's rows)")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ParamError(f"combinations_{self.task}.workers must be an integer >= 1 (processes that account the "
+                             f"grid), got {self.workers!r}")
+        if self.task == "dynamicconv" and self.workers != 1:
+            raise ParamError("combinations_dynamicconv.workers: the DynamicConv sweep accounts in one process (fairseq's "
+                             "models, built one after another); leave it at 1")
         if self.search_paper and not self.search:
             raise ParamError(f"combinations_{self.task}.search_paper: a second pass of the search needs search: true")
         if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
@@ -129,14 +150,47 @@ class CombinationsParams:
         if self.search:
             if self.task != "wrn":
                 raise ParamError(f"combinations_{self.task}.search: the quality-aware search is WRN's only")
-            if self.search_paper and self.activation_bits == [0]:
+            if self.search_paper and not self.beyond_paper_in_grid():
                 raise ParamError(f"combinations_{self.task}.search_paper: the grid holds the paper's levers only "
-                                 "(activation_bits: [0]), so one search covers them; set it to false")
+                                 "(activation_bits: [0], optimizer: [sgd], no Kahan precision), so one search covers "
+                                 "them; set it to false")
+            if bad := [s for s in self.effects_from if s not in LEVERS_STAGES]:
+                raise ParamError(f"combinations_wrn.effects_from: {bad} not allowed; use stages among {', '.join(LEVERS_STAGES)}")
             exact = [c for c in self.singles if set(c) & set(EXACT)]
             if exact:
                 raise ParamError(f"combinations_wrn.singles: {exact} are exact levers (tested equal to the plain "
                                  "step), whose quality effect is zero by test; with search, list lossy levers only")
 
+
+    def beyond_paper_in_grid(self) -> bool:
+        """Whether the grid's lists hold a lever beyond the paper."""
+        return (self.activation_bits != [0] or self.optimizer != ["sgd"]
+                or any(m in KAHAN_PRECISIONS_WRN for m in self.precision))
+
+    def _check_wrn_levers(self) -> None:
+        """The optimizer list, and WRN's Kahan precision settings: checked before any compute, with what to use."""
+        if self.task == "dynamicconv":
+            if self.optimizer != ["sgd"]:
+                raise ParamError("combinations_dynamicconv.optimizer: DynamicConv's optimizer levers are precision "
+                                 f"settings ({', '.join(BEYOND_PAPER_DYNAMICCONV)}); remove the optimizer list")
+            return
+        allowed = [o for o in optimizers.OPTIMIZERS if o != "optimi-sgd"]
+        for o in self.optimizer:
+            if o not in allowed:
+                hint = (" (Kahan's optimi-sgd is the precision setting " + ", ".join(KAHAN_PRECISIONS_WRN) + ")"
+                        if o == "optimi-sgd" else "")
+                raise ParamError(f"combinations_wrn.optimizer: {o!r} is not allowed; use one of {', '.join(allowed)}{hint}")
+        for o in {*self.optimizer, *(f["optimizer"] for m, f in KAHAN_PRECISIONS_WRN.items() if m in self.precision)}:
+            try:
+                optimizers.check(o)  # its library installed
+            except ValueError as e:
+                raise ParamError(f"combinations_wrn: {e}") from None
+        for m in self.precision:
+            try:
+                precision.parse(KAHAN_PRECISIONS_WRN.get(m, {"precision": m})["precision"])
+            except ValueError as e:
+                raise ParamError(f"combinations_wrn.precision: {m!r}: {e}; Kahan's settings: "
+                                 f"{', '.join(KAHAN_PRECISIONS_WRN)}") from None
 
 
 def resolve_task(task: str, params: dict[str, Any]) -> CombinationsParams:
@@ -157,9 +211,12 @@ def resolve_task(task: str, params: dict[str, Any]) -> CombinationsParams:
 
 
 def accountable(p: CombinationsParams, cfg: dict[str, Any]) -> bool:
-    """Whether the accountant can account ``cfg``. The plugin's mixed-bf16 accounts on fake tensors, and DSR draws
-    its pattern from values that they lack, so lowmem.dynamicconv.memory refuses the two together."""
-    return not (p.task == "dynamicconv" and cfg.get("precision") == "mixed-bf16" and cfg.get("sparsity"))
+    """Whether the accountant can account ``cfg``, and whether it is one run. The plugin's mixed-bf16 accounts on
+    fake tensors, and DSR draws its pattern from values that they lack, so lowmem.dynamicconv.memory refuses the two
+    together. WRN's Kahan precision is torch-optimi's SGD, so it takes no other optimizer."""
+    if p.task == "wrn":
+        return not (cfg.get("precision") in KAHAN_PRECISIONS_WRN and cfg.get("optimizer"))
+    return not (cfg.get("precision") == "mixed-bf16" and cfg.get("sparsity"))
 
 
 def grid(p: CombinationsParams) -> list[dict[str, Any]]:
@@ -189,6 +246,8 @@ def name(p: CombinationsParams, cfg: dict[str, Any]) -> str:
         parts.append(f"checkpoint-{cfg['checkpoint']}" if p.task == "wrn" else "checkpoint")
     if "activation_bits" in cfg:  # named as stage levers_train's arms
         parts.append(f"activations-{cfg['activation_bits']}")
+    if "optimizer" in cfg:  # named as stage levers_state_train's arms
+        parts.append(cfg["optimizer"])
     return "+".join(parts)
 
 
@@ -243,9 +302,12 @@ def search_slots(p: CombinationsParams) -> int:
 # --- the quality-aware search (WRN) ----------------------------------------------------------------------------
 
 
-def lever_effects(p: CombinationsParams, trained: list[dict[str, Any]]) -> dict[tuple[str, Any], quality.Paired]:
-    """Each lossy lever's effect alone, (dimension, setting) → its paired change, from the trained singles
-    (``trained``: the metrics of the slots, the baseline among them)."""
+def lever_effects(p: CombinationsParams, trained: list[dict[str, Any]],
+                  levers_dir: Path = Path("metrics")) -> dict[tuple[str, Any], tuple[quality.Paired, str]]:
+    """Each lossy lever's effect alone, (dimension, setting) → (its paired change, where it was trained), from the
+    trained singles (``trained``: the metrics of the slots, the baseline among them), then from the arms of
+    ``p.effects_from``'s stages (``levers_dir/<stage>.json``) that set one setting of the grid alone and that no
+    single trains, each paired with its own study's baseline."""
     by_name = {r["name"]: r for r in trained}
     if "baseline" not in by_name:
         raise FileNotFoundError("the search needs the trained baseline (slot 0): run `dvc repro combination_wrn`")
@@ -255,7 +317,23 @@ def lever_effects(p: CombinationsParams, trained: list[dict[str, Any]]) -> dict[
         n = name(p, single)
         if n not in by_name:
             raise FileNotFoundError(f"the search needs the trained single {n}: run `dvc repro combination_wrn`")
-        effects[(dim, value)] = paired_change(by_name[n], by_name["baseline"])
+        effects[(dim, value)] = (paired_change(by_name[n], by_name["baseline"]), f"slot {by_name[n]['slot']}")
+    for stage in p.effects_from:
+        path = Path(levers_dir) / f"{stage}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path} is missing: the search takes lever effects from stage {stage} "
+                                    f"(combinations_wrn.effects_from); run `dvc repro {stage}`")
+        res = json.loads(path.read_text())
+        if res["profile"] != p.profile or res["seeds"] != p.train_seeds:
+            raise FileNotFoundError(f"{path} trained at profile {res['profile']!r} on seeds {res['seeds']}, not "
+                                    f"{p.profile!r} on {p.train_seeds}: rerun stage {stage} (dvc repro {stage})")
+        for arm in res["arms"]:
+            cfg = grid_config(p.task, res["arms"][arm]["techniques"])
+            if len(cfg) != 1:
+                continue
+            (dim, value), = cfg.items()
+            if dim in dims(p.task) and dim not in EXACT and value in getattr(p, dim) and (dim, value) not in effects:
+                effects[(dim, value)] = (arm_change(res, arm, "baseline"), f"stage {stage}")
     return effects
 
 
@@ -313,9 +391,10 @@ def wrn_techniques(p: CombinationsParams, cfg: dict[str, Any], trained_batch: in
     b = cfg.get("microbatch", 0)
     if trained_batch is not None and b >= trained_batch:
         b = 0
-    return Techniques(sparsity=cfg.get("sparsity", 0.0), precision=cfg.get("precision", "fp32"), microbatch=b,
-                      checkpoint=cfg.get("checkpoint", "none"), activation_bits=cfg.get("activation_bits", 0),
-                      sparse_format=p.sparse_format,
+    t = techniques_config("wrn", cfg)
+    return Techniques(sparsity=t.get("sparsity", 0.0), precision=t.get("precision", "fp32"), microbatch=b,
+                      checkpoint=t.get("checkpoint", "none"), activation_bits=t.get("activation_bits", 0),
+                      optimizer=t.get("optimizer", "sgd"), sparse_format=p.sparse_format,
                       dsr_periods=tuple(p.dsr.get("dsr_periods", (100, 200, 400, 800))),
                       dsr_reallocate=p.dsr.get("dsr_reallocate", 20000))
 
@@ -333,6 +412,57 @@ def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: boo
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB, "peak_phase": r.peak_phase}
 
 
+MEMORY_CACHE = "wrn_memory.csv"  # in the sweep's folder: every accounted row, by memory_key (``wrn_memory_rows``)
+
+
+def memory_keys(p: CombinationsParams, configs: list[dict[str, Any]]) -> tuple[list[str], str]:
+    """Each configuration's accounted memory key, and the digest of the accountant's code (``lowmem.runs.code_digest``
+    of lowmem.wrn.memory's closure): a key covers what ``wrn_memory_row`` depends on (the run's Techniques, the
+    full-size shape, the seed) and that digest, as run keys are made."""
+    digest = runs.code_digest(runs.closure("lowmem.wrn.memory"))
+    shape = dataclasses.asdict(wrn_shape(p))
+    return [runs.make_key({"techniques": dataclasses.asdict(wrn_techniques(p, cfg)), "shape": shape, "seed": p.seed,
+                           "accountant": digest}, []) for cfg in configs], digest
+
+
+def wrn_memory_rows(p: CombinationsParams, configs: list[dict[str, Any]], progress: bool = True,
+                    cache: Path | None = None, every: int = 200) -> list[dict[str, Any]]:
+    """``wrn_memory_row`` of each configuration, in order, on ``p.workers`` processes. With ``cache`` (a CSV that the
+    sweep persists), a configuration whose memory key (``memory_keys``) is there is read from it, and what is
+    accounted is added to it every ``every`` configurations, so that an interrupted sweep resumes and a grid that
+    grows accounts only its new rows. Rows another version of the accountant wrote are dropped."""
+    keys, digest = memory_keys(p, configs)
+    known: dict[str, dict[str, Any]] = {}
+    if cache is not None and cache.exists():
+        old = pd.read_csv(cache)
+        known = {r.pop("memory_key"): r for r in old[old.accountant == digest].drop(columns="accountant").to_dict("records")}
+    todo = [i for i, k in enumerate(keys) if k not in known]
+    # Accounting on the meta device is PyTorch's dispatch in Python, one core per process. Spawned, not forked: the
+    # workers import torch afresh rather than inherit a notebook kernel's threads. map keeps the configurations' order.
+    pool = (ProcessPoolExecutor(p.workers, mp_context=multiprocessing.get_context("spawn"))
+            if p.workers > 1 and len(todo) > 1 else None)
+    account = partial(wrn_memory_row, p)
+    try:
+        with tqdm(total=len(configs), initial=len(configs) - len(todo), disable=not progress, mininterval=10,
+                  desc=f"accounting wrn combinations ({p.workers} process{'es' if p.workers > 1 else ''})") as bar:
+            for start in range(0, len(todo), every):
+                part = todo[start:start + every]
+                cfgs = [configs[i] for i in part]
+                for i, row in zip(part, pool.map(account, cfgs, chunksize=4) if pool else map(account, cfgs)):
+                    known[keys[i]] = row
+                    bar.update()
+                if cache is not None:
+                    table = pd.DataFrame([{"memory_key": k, "accountant": digest, **r} for k, r in known.items()])
+                    runs.atomic_write(cache, lambda tmp: table.to_csv(tmp, index=False))
+    except BaseException:
+        if pool:
+            pool.shutdown(wait=False, cancel_futures=True)  # an error stops the sweep now, not after the others' minutes
+        raise
+    if pool:
+        pool.shutdown()
+    return [dict(known[k]) for k in keys]
+
+
 def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progress: bool = True) -> list[float]:
     """Seconds per training step of each configuration at the active profile (the trained model and batch, random
     inputs, on the baseline block's device): ``timing_repeats`` rounds over all configurations in turn after a
@@ -345,7 +475,7 @@ def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progres
         tech = wrn_techniques(p, cfg, base.batch_size)
         shape = (base.batch_size, data.in_channels, 32, 32)
         model = wrn_model(base.model, data.num_classes, data.in_channels, tech, device, p.seed, shape)
-        opt = make_optimizer(model)
+        opt = make_optimizer(model, name=tech.optimizer)
         prec = precision.parse(tech.precision)
         scaler = precision.make_scaler(prec, device.type)
         x = precision.cast_batch(torch.randn(shape, device=device), prec)
@@ -360,6 +490,22 @@ def wrn_step_times(p: CombinationsParams, configs: list[dict[str, Any]], progres
             step()
             times[i].append(time.perf_counter() - t0)
     return [statistics.median(t) for t in times]
+
+
+def kept_wrn(p: CombinationsParams, chosen: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any] | None:
+    """The slot's result as its metrics file already holds it (``previous``, which DVC persists), where that file is
+    this configuration trained on these seeds with the same run keys (``lowmem.wrn.train.store_run``: the code, the
+    recipe and the techniques as they change training), so that a search whose picks moved retrains only the slots
+    that changed, from a fresh clone's empty run store too. None where anything differs."""
+    base = BaselineParams(**p.train)
+    tech = wrn_techniques(p, chosen["config"], base.batch_size)
+    keys = [store_run(base, seed, tech).key for seed in p.train_seeds]
+    same = (previous.get("task") == p.task and previous.get("profile") == p.profile
+            and previous.get("config") == chosen["config"] and previous.get("seeds") == p.train_seeds
+            and [r["key"] for r in previous.get("runs", [])] == keys)
+    if not same:
+        return None
+    return {**previous, **chosen, "runs": [{**r, "trained": False, "kept": True} for r in previous["runs"]]}
 
 
 def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
@@ -448,9 +594,10 @@ def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path
 # --- the two pipeline steps ------------------------------------------------------------------------------------
 
 
-def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
+def sweep(p: CombinationsParams, progress: bool = True, cache: Path | None = None) -> tuple[pd.DataFrame, list[dict[str, Any]]]:
     """Every combination of the grid accounted at full size (and, for WRN, timed at the active profile), and the
-    subset chosen for training: (table, selection)."""
+    subset chosen for training: (table, selection). WRN's accounted rows come from and go to ``cache``
+    (``wrn_memory_rows``)."""
     configs = grid(p)
     rows = []
     if p.task == "dynamicconv":
@@ -458,12 +605,14 @@ def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, l
 
         mem = translation_study.memory(translation_params(p, configs), progress)
         by_name = mem.set_index("technique")
-    for cfg in tqdm(configs, desc=f"accounting {p.task} combinations", disable=not progress or p.task != "wrn", mininterval=10):
+    else:
+        memory = wrn_memory_rows(p, configs, progress, cache)
+    for i, cfg in enumerate(configs):
         n = name(p, cfg)
         full = {d: cfg.get(d, getattr(p, d)[0]) for d in dims(p.task)}
         row: dict[str, Any] = {"name": n, **full, "config": json.dumps(cfg), "techniques": len(cfg), "mildness": mildness(p, cfg)}
         if p.task == "wrn":
-            row |= wrn_memory_row(p, cfg)
+            row |= memory[i]
         else:
             m = by_name.loc[n]
             row |= {"options": m.options, **{f"{c}_mib": m[f"{c}_mib"] for c in CATEGORIES}, "total_mib": m.total_mib,
@@ -479,7 +628,7 @@ def sweep(p: CombinationsParams, progress: bool = True) -> tuple[pd.DataFrame, l
     return df, chosen
 
 
-def search_step(p: CombinationsParams, sweep_dir: Path, metrics_dir: Path) -> dict[str, Any]:
+def search_step(p: CombinationsParams, sweep_dir: Path, metrics_dir: Path, levers_dir: Path = Path("metrics")) -> dict[str, Any]:
     """The search's output (``data/combinations/wrn_search.json``): each lever's effect alone and the levels' picks,
     slots numbered after the sweep's selection."""
     selected = json.loads((sweep_dir / f"{p.task}_selected.json").read_text())["selected"]
@@ -493,12 +642,12 @@ def search_step(p: CombinationsParams, sweep_dir: Path, metrics_dir: Path) -> di
             raise FileNotFoundError(f"{f} holds {r['name']} on seeds {r['seeds']}, not {c['name']} on {p.train_seeds}: "
                                     f"retrain it (dvc repro combination_{p.task})")
         trained.append(r)
-    effects = lever_effects(p, trained)
+    effects = lever_effects(p, trained, levers_dir)
     memory = pd.read_csv(sweep_dir / f"{p.task}_sweep.csv")
-    picks = search(p, memory, effects, [c["name"] for c in selected])
+    picks = search(p, memory, {k: e for k, (e, _) in effects.items()}, [c["name"] for c in selected])
     return {"profile": p.profile, "seeds": p.train_seeds,
-            "effects": [{"lever": d, "setting": v, "change": e.mean, "low": e.low, "high": e.high, "n": e.n}
-                        for (d, v), e in effects.items()],
+            "effects": [{"lever": d, "setting": v, "change": e.mean, "low": e.low, "high": e.high, "n": e.n, "from": src}
+                        for (d, v), (e, src) in effects.items()],
             "selected": [{"slot": len(selected) + i, **c} for i, c in enumerate(picks)]}
 
 
@@ -510,14 +659,16 @@ def chosen_slots(p: CombinationsParams, sweep_dir: Path) -> list[dict[str, Any]]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("step", choices=("sweep", "select", "search", "train"),
-                    help="sweep: account (and time) the grid and select; select: select again from the sweep's table "
-                         "(the grid unchanged); search: WRN's levels by predicted quality; train: one slot")
+    ap.add_argument("step", choices=("account", "sweep", "select", "search", "train"),
+                    help="account: WRN's grid accounted into the sweep's memory cache only (resumable; the sweep then "
+                         "times it); sweep: account (and time) the grid and select; select: select again from the "
+                         "sweep's table (the grid unchanged); search: WRN's levels by predicted quality; train: one slot")
     ap.add_argument("task", choices=TASKS)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--slot", type=int, help="train: which chosen combination (0 = the baseline)")
     ap.add_argument("--sweep-dir", type=Path, default=Path("data/combinations"), help="the sweep's table and selection")
     ap.add_argument("--metrics-dir", type=Path, default=Path("metrics/combinations"), help="search: the trained slots' metrics")
+    ap.add_argument("--levers-dir", type=Path, default=Path("metrics"), help="search: the levers stages' metrics (effects_from)")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA, help="train: the translation stages' data")
     ap.add_argument("--data-root", default="data/raw", help="WRN: image datasets (the notebooks' ../data/raw, from the repository root)")
     ap.add_argument("--metrics", type=Path, help="train: write the run's metrics here")
@@ -527,10 +678,15 @@ def main(argv: list[str] | None = None) -> int:
         p = resolve_task(args.task, yaml.safe_load(args.params.read_text()))
         if p.train:
             p.train["data_root"] = args.data_root
+        if args.step == "account":
+            if p.task != "wrn":
+                raise ParamError("account: the memory cache is WRN's (DynamicConv's sweep accounts in one step)")
+            wrn_memory_rows(p, grid(p), cache=args.sweep_dir / MEMORY_CACHE)
+            return 0
         if args.step in ("sweep", "select"):
             table = args.sweep_dir / f"{p.task}_sweep.csv"
             if args.step == "sweep":
-                df, chosen = sweep(p)
+                df, chosen = sweep(p, cache=args.sweep_dir / MEMORY_CACHE if p.task == "wrn" else None)
                 args.sweep_dir.mkdir(parents=True, exist_ok=True)
                 df.to_csv(table, index=False)
             else:
@@ -547,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.step == "search":
             if not p.search:
                 raise ParamError(f"combinations_{p.task}.search is off: the levels were picked by the sweep")
-            out = search_step(p, args.sweep_dir, args.metrics_dir)
+            out = search_step(p, args.sweep_dir, args.metrics_dir, args.levers_dir)
             runs.write_json(args.sweep_dir / f"{p.task}_search.json", out)
             if args.results:
                 runs.write_json(args.results, out)
@@ -561,6 +717,14 @@ def main(argv: list[str] | None = None) -> int:
         chosen = selected[args.slot]
         cfg = chosen["config"]
         print(f"== {p.task} slot {args.slot}: {chosen['name']} ({chosen['role']})", flush=True)
+        kept = (kept_wrn(p, chosen, json.loads(args.metrics.read_text()))
+                if p.task == "wrn" and args.metrics.exists() else None)
+        if kept is not None:
+            print(f"kept: {args.metrics} already holds {chosen['name']} trained with these run keys", flush=True)
+            runs.write_json(args.metrics, kept)
+            if args.results:
+                runs.write_json(args.results, kept)
+            return 0
         if p.task == "wrn":
             result = train_wrn(p, cfg)
         else:

@@ -29,8 +29,9 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import quality
-from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, beyond_paper,
-                                          beyond_paper_rows, dims, paired_change, predict, selection)
+from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, LEVERS_STAGES,
+                                          OPTIONAL_DIMS, beyond_paper, beyond_paper_rows, dims, paired_change,
+                                          predict, selection, techniques_config)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
 
@@ -81,7 +82,7 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
     test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
     compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
     step's saved tensors packed), so those rows neither give nor take a twin's quality."""
-    lossy = [d for d in dims(task) if d not in exact]
+    lossy = [d for d in dims(task) if d not in exact and (d in df or d not in OPTIONAL_DIMS)]  # an older table's: off
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
@@ -108,6 +109,8 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     DynamicConv's rows beyond the paper (its precision settings beyond it, compressed activations) are accounted
     points here, without quality: their runs are ``beyond_rows_dynamicconv``'s."""
     df = pd.read_csv(sweep_dir / f"{task}_sweep.csv")
+    for d in set(OPTIONAL_DIMS) & set(dims(task)) - set(df):
+        df[d] = OPTIONAL_DIMS[d]  # a table made before the grid had this dimension: its rows have it off
     if missing := [d for d in dims(task) if d not in df]:
         raise ValueError(f"{sweep_dir / f'{task}_sweep.csv'} has no column {missing}: it was made for another grid; "
                          f"rerun the sweep (dvc repro combinations_sweep_{task})")
@@ -136,6 +139,12 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
             effects = {(e["lever"], e["setting"]): quality.Paired(e["change"], e["low"], e["high"], e["n"], np.nan)
                        for e in selected["effects"]}
             df["predicted_change"] = predict(df, effects)
+            # A lever's effect the search took from a levers stage (effects_from) is that setting's measured quality.
+            for e in selected["effects"]:
+                if e.get("from", "").startswith("stage "):
+                    i = df.index[(df.config == json.dumps({e["lever"]: e["setting"]})) & df.quality_change.isna()]
+                    df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n"]] = [e["change"], e["low"], e["high"], e["n"]]
+                    df.loc[i, "quality_from"] = f"{e['from']}, against its own baseline"
         _exact_fill(df, task)
     else:
         stage08 = json.loads((metrics_dir / "translation_techniques_train.json").read_text())
@@ -170,8 +179,6 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
 
 LEVERS_PAPER, LEVERS_BEYOND = "the paper's", "the paper's and beyond"  # the headline rows' ``levers``
 
-
-LEVERS_STAGES = ("levers_train", "levers_state_train")  # WRN's studies of levers beyond the paper, one machine each
 
 
 def beyond_rows(metrics_dir: Path, grid_configs: set[str] = frozenset()) -> pd.DataFrame:
@@ -456,7 +463,7 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     wrn_grid = grid["wrn"][grid["wrn"].beyond & grid["wrn"].quality_change.notna()].assign(
         study="combination_wrn", machine=_machine(metrics_dir, "wrn"))
     # A levers arm the grid trained is the grid's; one it did not train (another setting of the same levers) stays.
-    grid_configs = {json.dumps(json.loads(c), sort_keys=True) for c in wrn_grid.config}
+    grid_configs = {json.dumps(techniques_config("wrn", json.loads(c)), sort_keys=True) for c in wrn_grid.config}
     beyond = {"wrn": pd.concat([wrn_grid, beyond_rows(metrics_dir, grid_configs)], ignore_index=True),
               "dynamicconv": widen_by_seed_noise(beyond_rows_dynamicconv(sweep_dir, metrics_dir), noise)}
     beyond = {t: b for t, b in beyond.items() if not b.empty}

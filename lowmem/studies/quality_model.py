@@ -17,7 +17,14 @@ from lowmem.studies import quality
 DIMS = ("sparsity", "precision", "microbatch", "checkpoint")  # the paper's four levers, the dimensions of both grids
 # Both grids have one more dimension, a lever beyond the paper: the bits each activation saved for backward is stored
 # in (lowmem.techniques.compress; 0 = as computed; DynamicConv: the plugin's --activation-bits).
-DIMS_OF = {"wrn": DIMS + ("activation_bits",), "dynamicconv": DIMS + ("activation_bits",)}
+DIMS_OF = {"wrn": DIMS + ("activation_bits", "optimizer"), "dynamicconv": DIMS + ("activation_bits",)}
+# WRN's grid has one more: the optimizer (lowmem.techniques.optimizers), whose 8-bit momentum (bnb-sgd8bit) is a
+# lever beyond the paper. A table made before this dimension existed is read with it off ("sgd") on every row.
+OPTIONAL_DIMS = {"optimizer": "sgd"}
+# WRN's precision settings beyond the paper, and what each one trains with (the fields of a Techniques): 16-bit
+# weights with torch-optimi's Kahan-compensated SGD, as DynamicConv's all-bf16-kahan. A precision setting, not an
+# optimizer one: the compensation exists only where the weights are 16-bit, and the lever's effect is measured there.
+KAHAN_PRECISIONS_WRN = {"half-bf16-kahan": {"precision": "half-bf16", "optimizer": "optimi-sgd"}}
 # Levers whose step equals the plain step (bitwise), by the named test: their expected quality effect is zero, and a
 # combination that differs from a trained one only by them gets that run's quality. WRN's run key drops them, so such
 # a combination is that very run (lowmem.wrn.train.run_techniques); not with compressed activations, where
@@ -33,11 +40,30 @@ BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
 # named as stage 08's techniques: 8-bit Adam moments, and all-bf16 with a Kahan-compensated AdamW. Its other lever
 # beyond the paper is the activation_bits dimension, as WRN's.
 BEYOND_PAPER_DYNAMICCONV = ("adamw-8bit", "all-bf16-kahan")
+LEVERS_STAGES = ("levers_train", "levers_state_train")  # WRN's studies of levers beyond the paper, one machine each
 
 
 def dims(task: str) -> tuple[str, ...]:
     """The dimensions of ``task``'s combination grid (``DIMS_OF``)."""
     return DIMS_OF[task]
+
+
+def techniques_config(task: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A grid configuration as the fields of the run's ``lowmem.techniques.step.Techniques`` that it sets (WRN: a
+    Kahan precision setting is 16-bit weights and torch-optimi's SGD, ``KAHAN_PRECISIONS_WRN``); DynamicConv's
+    configurations are fairseq options, returned as they are."""
+    if task != "wrn" or cfg.get("precision") not in KAHAN_PRECISIONS_WRN:
+        return dict(cfg)
+    return {**cfg, **KAHAN_PRECISIONS_WRN[cfg["precision"]]}
+
+
+def grid_config(task: str, techniques: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``techniques_config``: a run's Techniques fields as a configuration of ``task``'s grid."""
+    if task == "wrn":
+        for name, fields in KAHAN_PRECISIONS_WRN.items():
+            if all(techniques.get(k) == v for k, v in fields.items()):
+                return {**{k: v for k, v in techniques.items() if k not in fields}, "precision": name}
+    return dict(techniques)
 
 
 def beyond_paper(techniques: dict[str, Any]) -> bool:
@@ -47,9 +73,9 @@ def beyond_paper(techniques: dict[str, Any]) -> bool:
 
 def beyond_paper_rows(task: str, grid: pd.DataFrame) -> pd.Series:
     """Which rows of ``task``'s combination grid (a sweep table, with its ``config`` column) use a lever beyond the
-    paper: WRN's and DynamicConv's ``BEYOND_PAPER`` fields (compressed activations), and DynamicConv's precision
-    settings beyond it (``BEYOND_PAPER_DYNAMICCONV``)."""
-    beyond = grid.config.map(lambda c: beyond_paper(json.loads(c))).astype(bool)
+    paper: WRN's and DynamicConv's ``BEYOND_PAPER`` fields (compressed activations, WRN's optimizers, so its Kahan
+    precision settings too), and DynamicConv's precision settings beyond it (``BEYOND_PAPER_DYNAMICCONV``)."""
+    beyond = grid.config.map(lambda c: beyond_paper(techniques_config(task, json.loads(c)))).astype(bool)
     if task == "dynamicconv":
         beyond |= grid.precision.isin(BEYOND_PAPER_DYNAMICCONV)
     return beyond
