@@ -730,3 +730,33 @@ def test_a_slot_whose_metrics_hold_the_same_runs_is_kept_and_any_difference_retr
     assert combinations.kept_wrn(p, other, previous) is None  # another configuration
     assert combinations.kept_wrn(p, chosen, {**previous, "runs": [{"key": "0" * 20}]}) is None  # other code or recipe
     assert combinations.kept_wrn(p, chosen, {**previous, "profile": "cpu"}) is None
+
+
+def test_a_setting_whose_effect_came_from_a_levers_stage_shows_that_arms_quality_and_gives_it_to_its_exact_twin(tmp_path: Path) -> None:
+    p = _optimizer_grid(singles=[{"precision": "half-bf16"}])
+    configs = [{}, {"precision": "half-bf16"}, {"optimizer": "bnb-sgd8bit"}, {"checkpoint": "block", "optimizer": "bnb-sgd8bit"},
+               {"precision": "half-bf16", "optimizer": "bnb-sgd8bit"}]
+    rows = [{"name": combinations.name(p, c), **{d: c.get(d, getattr(p, d)[0]) for d in quality_model.dims("wrn")},
+             "config": json.dumps(c), "techniques": len(c), "total_mib": 100.0 / (1 + i), "reduction": 1.0 + i,
+             "time_ratio": 1.0} for i, c in enumerate(configs)]
+    pd.DataFrame(rows).to_csv(tmp_path / "wrn_sweep.csv", index=False)
+    sel = [{"slot": 0, "name": "baseline", "role": "baseline", "config": {}},
+           {"slot": 1, "name": "half-bf16", "role": "single technique", "config": {"precision": "half-bf16"}}]
+    (tmp_path / "wrn_selected.json").write_text(json.dumps({"profile": p.profile, "selected": sel}))
+    effects = [{"lever": "precision", "setting": "half-bf16", "change": -0.5, "low": -1.0, "high": 0.0, "n": 3, "from": "slot 1"},
+               {"lever": "optimizer", "setting": "bnb-sgd8bit", "change": -0.9, "low": -2.7, "high": 0.9, "n": 3,
+                "from": "stage levers_state_train"}]
+    (tmp_path / "wrn_search.json").write_text(json.dumps({"profile": p.profile, "seeds": [0, 1, 2], "effects": effects, "selected": []}))
+    (tmp_path / "combinations").mkdir()
+    for c, acc in zip(sel, ([0.90, 0.91, 0.92], [0.895, 0.905, 0.915])):
+        (tmp_path / "combinations" / f"wrn-{c['slot']}.json").write_text(json.dumps(
+            {**c, "profile": p.profile, "seeds": [0, 1, 2], "per_seed_acc": acc}))
+    got = frontier.results("wrn", tmp_path, tmp_path).set_index("name")
+    bnb = got.loc["bnb-sgd8bit"]
+    assert (bnb.quality_change, bnb.quality_low, bnb.quality_high, bnb.quality_n) == (-0.9, -2.7, 0.9, 3)
+    assert bnb.quality_from == "stage levers_state_train, against its own baseline" and bnb.beyond
+    twin = got.loc["checkpoint-block+bnb-sgd8bit"]
+    assert twin.quality_change == -0.9 and twin.quality_from.startswith("exact, by test")
+    both = got.loc["half-bf16+bnb-sgd8bit"]  # two lossy levers: predicted, not measured
+    assert np.isnan(both.quality_change) and both.predicted_change == pytest.approx(-1.4)
+    assert got.loc["half-bf16", "quality_change"] == pytest.approx(-0.5) and not got.loc["half-bf16", "beyond"]

@@ -1,6 +1,9 @@
 """The four techniques combined (Sohoni et al. 2019, the combination study behind 60.7x and 8.7x): a grid of
-sparsity x precision x microbatch x checkpoint for each task (with a fifth dimension beyond the paper, the bits of
-saved activations), accounted at full size, timed at the active profile (WRN), and a subset chosen for training.
+sparsity x precision x microbatch x checkpoint for each task, with levers beyond the paper (both: the bits of saved
+activations; WRN: the optimizer, 8-bit momentum, and Kahan-compensated bf16 as a precision setting; DynamicConv: 8-bit
+Adam and Kahan's all-bf16 as precision settings), accounted at full size, timed at the active profile (WRN), and a
+subset chosen for training. WRN's accounted rows are kept by key in ``data/combinations/wrn_memory.csv``, so that a
+grid that grows, or a sweep that was stopped, accounts only what it has not.
 
 - WRN: every combination is a ``lowmem.wrn.train.Techniques``; memory is WRN-28-2's step at B = 128, step time is the
   profile's trained model at its batch, and a chosen combination trains with ``lowmem.wrn.train.train``.
@@ -20,7 +23,9 @@ The quality-aware search (WRN, ``search: true``): the singles are lossy levers t
 the baseline; each one's paired change is its effect, a combination's predicted change is the sum of its levers'
 effects (exact levers, ``EXACT``, add zero), and at each memory level the combination with the smallest predicted
 loss is trained, then the largest reduction that can be predicted; with ``search_paper``, the same again among the
-paper's levers alone. Predicted against measured is notebook 09's.
+paper's levers alone. A setting that no single trains can take its effect from a levers stage's arm that trained it
+alone (``effects_from``). A slot whose persisted metrics already hold its configuration trained with the same run
+keys is kept, so a search whose picks moved retrains only what changed. Predicted against measured is notebook 09's.
 """
 
 from __future__ import annotations
