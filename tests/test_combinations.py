@@ -531,6 +531,7 @@ def test_a_wrn_checkpoint_twin_carries_its_run_only_without_compressed_activatio
             ("m4+ckpt+a2", 0, "fp32", 4, "block", 2, -0.9), ("m4+a2", 0, "fp32", 4, "none", 2, None)]
     df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "activation_bits", "quality_change"])
     df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 3.0, ""
+    df["optimizer"] = "sgd"
     frontier._exact_fill(df, "wrn")
     by = df.set_index("name")
     assert by.loc["m8+ckpt", "quality_change"] == -0.1 and by.loc["m8+ckpt", "quality_from"].startswith("exact, by test")
@@ -614,7 +615,13 @@ def test_the_wrn_grid_holds_8bit_momentum_and_kahan_bf16_as_settings_beyond_the_
     ({"optimizer": ["bnb-sgd8bit", "sgd"]}, "must start with its 'off' value"),
     ({"precision": ["fp32", "mixed-bf16-kahan"]}, "precision: 'mixed-bf16-kahan'.*Kahan's settings: half-bf16-kahan"),
     ({"workers": 0}, "workers must be an integer >= 1"),
-    ({"search": False, "optimizer": ["sgd", "bnb-sgd8bit"], "activation_bits": [0]}, "needs search: true"),
+    ({"search": False, "optimizer": ["sgd", "bnb-sgd8bit"], "activation_bits": [0], "precision": ["fp32", "half-bf16"]},
+     "needs search: true"),
+    ({"search": False, "optimizer": ["sgd"], "activation_bits": [0], "precision": ["fp32", "half-bf16-kahan"]},
+     "needs search: true"),
+    ({"search": False, "optimizer": ["sgd"], "activation_bits": [0], "precision": ["fp32"], "effects_from": ["levers_train"]},
+     "effects_from: lever effects are the WRN search's"),
+    ({"workers": True}, "workers must be an integer >= 1"),
     ({"effects_from": ["levers_tran"]}, "effects_from: \\['levers_tran'\\] not allowed"),
 ])
 def test_a_bad_optimizer_lever_stops_before_any_compute(kw: dict, match: str) -> None:
@@ -691,11 +698,12 @@ def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_singl
     arm = lambda acc, **tech: {"techniques": tech, "per_seed_acc": acc}  # noqa: E731
     seeds = p.train_seeds
     base = [0.90 + 0.01 * s for s in seeds]
-    state = {"profile": p.profile, "seeds": seeds, "arms": {
+    recipe = {"model": p.train["model"], "epochs": p.train["epochs"], "batch_size": p.train["batch_size"]}
+    state = {"profile": p.profile, "seeds": seeds, **recipe, "arms": {
         "baseline": arm(base), "bnb-sgd8bit": arm([a - 0.005 for a in base], optimizer="bnb-sgd8bit"),
         "optimi-sgd": arm([a - 0.5 for a in base], optimizer="optimi-sgd"),  # not a setting of this grid
         "microbatch-8+bnb-sgd8bit": arm([a - 0.5 for a in base], microbatch=8, optimizer="bnb-sgd8bit")}}  # two settings
-    levers = {"profile": p.profile, "seeds": seeds, "arms": {
+    levers = {"profile": p.profile, "seeds": seeds, **recipe, "arms": {
         "baseline": arm([a + 0.1 for a in base]), "half-bf16": arm(base, precision="half-bf16"),
         "half-bf16+optimi-sgd": arm([a + 0.08 for a in base], precision="half-bf16", optimizer="optimi-sgd")}}
     (tmp_path / "levers_state_train.json").write_text(json.dumps(state))
@@ -708,10 +716,10 @@ def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_singl
     assert effects[("optimizer", "bnb-sgd8bit")][0].mean == pytest.approx(-0.5)
     assert effects[("optimizer", "bnb-sgd8bit")][1] == "stage levers_state_train"
     assert effects[("precision", "half-bf16-kahan")][0].mean == pytest.approx(-2.0)
-    levers["seeds"] = [7]
-    (tmp_path / "levers_train.json").write_text(json.dumps(levers))
-    with pytest.raises(FileNotFoundError, match="rerun stage levers_train"):
-        combinations.lever_effects(p, trained, tmp_path)
+    for other in ({"seeds": [7]}, {"epochs": recipe["epochs"] + 1}):  # another sample of runs, another recipe
+        (tmp_path / "levers_train.json").write_text(json.dumps({**levers, **other}))
+        with pytest.raises(FileNotFoundError, match="rerun stage levers_train"):
+            combinations.lever_effects(p, trained, tmp_path)
 
 
 def test_a_slot_whose_metrics_hold_the_same_runs_is_kept_and_any_difference_retrains() -> None:
@@ -760,3 +768,8 @@ def test_a_setting_whose_effect_came_from_a_levers_stage_shows_that_arms_quality
     both = got.loc["half-bf16+bnb-sgd8bit"]  # two lossy levers: predicted, not measured
     assert np.isnan(both.quality_change) and both.predicted_change == pytest.approx(-1.4)
     assert got.loc["half-bf16", "quality_change"] == pytest.approx(-0.5) and not got.loc["half-bf16", "beyond"]
+    # A table made before the grid had the optimizer dimension is read with it off on every row.
+    older = pd.DataFrame(rows[:2]).drop(columns="optimizer")
+    older.to_csv(tmp_path / "wrn_sweep.csv", index=False)
+    got = frontier.results("wrn", tmp_path, tmp_path)
+    assert list(got.optimizer) == ["sgd", "sgd"] and got.quality_change.tolist() == pytest.approx([0.0, -0.5])

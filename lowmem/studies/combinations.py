@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import itertools
 import json
 import multiprocessing
@@ -140,7 +141,13 @@ class CombinationsParams:
             raise ParamError("combinations_wrn: a lever beyond the paper in the grid (activation_bits, optimizer or a "
                              "Kahan precision) needs search: true (the levels picked by fewest techniques would mix it "
                              "into the paper's rows)")
-        if not isinstance(self.workers, int) or self.workers < 1:
+        if bad := [s for s in self.effects_from if s not in LEVERS_STAGES]:
+            raise ParamError(f"combinations_{self.task}.effects_from: {bad} not allowed; use stages among "
+                             f"{', '.join(LEVERS_STAGES)}")
+        if self.effects_from and not (self.task == "wrn" and self.search):
+            raise ParamError(f"combinations_{self.task}.effects_from: lever effects are the WRN search's; it needs "
+                             "task wrn with search: true")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ParamError(f"combinations_{self.task}.workers must be an integer >= 1 (processes that account the "
                              f"grid), got {self.workers!r}")
         if self.task == "dynamicconv" and self.workers != 1:
@@ -159,8 +166,6 @@ class CombinationsParams:
                 raise ParamError(f"combinations_{self.task}.search_paper: the grid holds the paper's levers only "
                                  "(activation_bits: [0], optimizer: [sgd], no Kahan precision), so one search covers "
                                  "them; set it to false")
-            if bad := [s for s in self.effects_from if s not in LEVERS_STAGES]:
-                raise ParamError(f"combinations_wrn.effects_from: {bad} not allowed; use stages among {', '.join(LEVERS_STAGES)}")
             exact = [c for c in self.singles if set(c) & set(EXACT)]
             if exact:
                 raise ParamError(f"combinations_wrn.singles: {exact} are exact levers (tested equal to the plain "
@@ -187,7 +192,7 @@ class CombinationsParams:
                 raise ParamError(f"combinations_wrn.optimizer: {o!r} is not allowed; use one of {', '.join(allowed)}{hint}")
         for o in {*self.optimizer, *(f["optimizer"] for m, f in KAHAN_PRECISIONS_WRN.items() if m in self.precision)}:
             try:
-                optimizers.check(o)  # its library installed
+                optimizers.check(o)  # a missing library stops here, before the sweep's hour of accounting
             except ValueError as e:
                 raise ParamError(f"combinations_wrn: {e}") from None
         for m in self.precision:
@@ -329,9 +334,12 @@ def lever_effects(p: CombinationsParams, trained: list[dict[str, Any]],
             raise FileNotFoundError(f"{path} is missing: the search takes lever effects from stage {stage} "
                                     f"(combinations_wrn.effects_from); run `dvc repro {stage}`")
         res = json.loads(path.read_text())
-        if res["profile"] != p.profile or res["seeds"] != p.train_seeds:
-            raise FileNotFoundError(f"{path} trained at profile {res['profile']!r} on seeds {res['seeds']}, not "
-                                    f"{p.profile!r} on {p.train_seeds}: rerun stage {stage} (dvc repro {stage})")
+        base = BaselineParams(**p.train)
+        theirs = (res["profile"], res["seeds"], res["model"], res["epochs"], res["batch_size"])
+        ours = (p.profile, p.train_seeds, base.model, base.epochs, base.batch_size)
+        if theirs != ours:
+            raise FileNotFoundError(f"{path} trained (profile, seeds, model, epochs, batch) {theirs}, not {ours}: "
+                                    f"rerun stage {stage} (dvc repro {stage})")
         for arm in res["arms"]:
             cfg = grid_config(p.task, res["arms"][arm]["techniques"])
             if len(cfg) != 1:
@@ -417,14 +425,23 @@ def wrn_memory_row(p: CombinationsParams, cfg: dict[str, Any], skip_repeats: boo
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB, "peak_phase": r.peak_phase}
 
 
-MEMORY_CACHE = "wrn_memory.csv"  # in the sweep's folder: every accounted row, by memory_key (``wrn_memory_rows``)
+# In the sweep's folder, persisted by DVC and committed: accounting the cpu grid takes most of an hour on 2 cores,
+# and a grid that grows by a lever would otherwise account every old row again (``wrn_memory_rows``).
+MEMORY_CACHE = "wrn_memory.csv"
+# What a cached row holds; raise it when wrn_memory_row's columns or their meaning change.
+MEMORY_ROW_FORMAT = 1
 
 
 def memory_keys(p: CombinationsParams, configs: list[dict[str, Any]]) -> tuple[list[str], str]:
-    """Each configuration's accounted memory key, and the digest of the accountant's code (``lowmem.runs.code_digest``
-    of lowmem.wrn.memory's closure): a key covers what ``wrn_memory_row`` depends on (the run's Techniques, the
-    full-size shape, the seed) and that digest, as run keys are made."""
-    digest = runs.code_digest(runs.closure("lowmem.wrn.memory"))
+    """Each configuration's accounted memory key, and the accountant's digest: of its code (``lowmem.runs.code_digest``
+    of lowmem.wrn.memory's closure), the versions of the libraries whose optimizers it steps, and the row's format.
+    A key covers what ``wrn_memory_row`` depends on (the run's Techniques, the full-size shape, the seed) and that
+    digest, as run keys are made."""
+    # The libraries count too: the accountant steps torch's, bitsandbytes' and torch-optimi's optimizers to size
+    # their state.
+    libraries = {lib: importlib.metadata.version(lib) for lib in ("torch", "bitsandbytes", "torch-optimi")}
+    digest = runs.make_key({"code": runs.code_digest(runs.closure("lowmem.wrn.memory")), "libraries": libraries,
+                            "row": MEMORY_ROW_FORMAT}, [])
     shape = dataclasses.asdict(wrn_shape(p))
     return [runs.make_key({"techniques": dataclasses.asdict(wrn_techniques(p, cfg)), "shape": shape, "seed": p.seed,
                            "accountant": digest}, []) for cfg in configs], digest
@@ -439,7 +456,8 @@ def wrn_memory_rows(p: CombinationsParams, configs: list[dict[str, Any]], progre
     keys, digest = memory_keys(p, configs)
     known: dict[str, dict[str, Any]] = {}
     if cache is not None and cache.exists():
-        old = pd.read_csv(cache)
+        # The keys as text: a digest of digits alone would read back as a number.
+        old = pd.read_csv(cache, dtype={"memory_key": str, "accountant": str})
         known = {r.pop("memory_key"): r for r in old[old.accountant == digest].drop(columns="accountant").to_dict("records")}
     todo = [i for i, k in enumerate(keys) if k not in known]
     # Accounting on the meta device is PyTorch's dispatch in Python, one core per process. Spawned, not forked: the

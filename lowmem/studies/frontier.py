@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import textwrap
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
     test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
     compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
     step's saved tensors packed), so those rows neither give nor take a twin's quality."""
-    lossy = [d for d in dims(task) if d not in exact and (d in df or d not in OPTIONAL_DIMS)]  # an older table's: off
+    lossy = [d for d in dims(task) if d not in exact]
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
@@ -104,7 +105,7 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
     widens by the seed noise, ``widen_by_seed_noise``; DynamicConv's from stage 08, the combination study, then the
     levers stages' arms of the paper's levers, ``paper_arms_dynamicconv``), where the
     quality comes from (``quality_from``), the predicted change of the search (WRN), the time ratio, whether the
-    combination uses a lever beyond the paper (``beyond``: compressed activations, a dimension of both grids),
+    combination uses a lever beyond the paper (``beyond``: ``quality_model.beyond_paper_rows``),
     and whether the point is Pareto-optimal in (reduction, quality change) among the paper's levers alone.
     DynamicConv's rows beyond the paper (its precision settings beyond it, compressed activations) are accounted
     points here, without quality: their runs are ``beyond_rows_dynamicconv``'s."""
@@ -139,7 +140,8 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
             effects = {(e["lever"], e["setting"]): quality.Paired(e["change"], e["low"], e["high"], e["n"], np.nan)
                        for e in selected["effects"]}
             df["predicted_change"] = predict(df, effects)
-            # A lever's effect the search took from a levers stage (effects_from) is that setting's measured quality.
+            # A lever's effect the search took from a levers stage (effects_from) is that setting's quality measured
+            # alone: its row shows it, the exact twins below carry it, and the headline can pick it like a trained slot.
             for e in selected["effects"]:
                 if e.get("from", "").startswith("stage "):
                     i = df.index[(df.config == json.dumps({e["lever"]: e["setting"]})) & df.quality_change.isna()]
@@ -458,10 +460,11 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
     }
     best = {task: pd.concat([best_within(r, budgets[task], rule=rule) for rule in RULES], ignore_index=True)
             for task, r in res.items()}
-    # WRN: the grid's own combinations with compressed activations (stage combination_wrn's study and baseline),
-    # then the levers studies' arms that the grid does not hold (Kahan, 8-bit momentum).
-    wrn_grid = grid["wrn"][grid["wrn"].beyond & grid["wrn"].quality_change.notna()].assign(
-        study="combination_wrn", machine=_machine(metrics_dir, "wrn"))
+    # WRN: the grid's own combinations with a lever beyond the paper, each with the study its quality comes from
+    # (the combination study's, or a levers stage's arm that the search took the lever's effect from), then the
+    # levers studies' arms that the grid does not hold (on top of other levers, or a setting not in the grid).
+    wrn_grid = grid["wrn"][grid["wrn"].beyond & grid["wrn"].quality_change.notna()]
+    wrn_grid = wrn_grid.assign(**dict(zip(("study", "machine"), _quality_sources_wrn(grid["wrn"], wrn_grid, metrics_dir))))
     # A levers arm the grid trained is the grid's; one it did not train (another setting of the same levers) stays.
     grid_configs = {json.dumps(techniques_config("wrn", json.loads(c)), sort_keys=True) for c in wrn_grid.config}
     beyond = {"wrn": pd.concat([wrn_grid, beyond_rows(metrics_dir, grid_configs)], ignore_index=True),
@@ -482,6 +485,24 @@ def study(sweep_dir: str | Path, metrics_dir: str | Path, params_path: str | Pat
                  beyond=beyond, best_beyond=best_beyond,
                  accounted={task: len(pd.read_csv(sweep_dir / f"{task}_sweep.csv")) for task in budgets},
                  seed_noise=noise, grid=grid)
+
+
+def _quality_sources_wrn(grid: pd.DataFrame, rows: pd.DataFrame, metrics_dir: Path) -> tuple[list[str], list[str]]:
+    """(study, machine) of each WRN row's quality: a levers stage's, where the search took the lever's effect from
+    its arm (``results``), or the twin's that an exact row carries; else the combination study's."""
+    source = grid.set_index("name").quality_from
+    studies, machines = [], []
+    for q in rows.quality_from:
+        twin = re.search(r": (.+)'s runs?$", q) if q.startswith("exact") else None
+        q = source.get(twin.group(1), q) if twin else q
+        stage = re.match(r"stage (levers\w*), against its own baseline", q)
+        if stage:
+            studies.append(stage.group(1))
+            machines.append(json.loads((Path(metrics_dir) / f"{stage.group(1)}.json").read_text()).get("machine", "not recorded"))
+        else:
+            studies.append("combination_wrn")
+            machines.append(_machine(metrics_dir, "wrn"))
+    return studies, machines
 
 
 def _machine(metrics_dir: Path, task: str) -> str:
@@ -509,10 +530,10 @@ FRONTIER_CAPTION = (
     "interval of the paired change (WRN: over seeds; DynamicConv: one seed's paired bootstrap of the test set, where "
     "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
     "so they carry its quality. White points: time per step not measured at this profile. The black line: the Pareto "
-    "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: compressed "
-    "activations, a dimension of the grid, trained alone and in the search's picks beside the same baseline and timed "
-    "by the same sweep; Kahan-compensated bf16 and 8-bit momentum, trained beside their own baselines on the same seeds, timed by "
-    "those runs. DynamicConv: 8-bit Adam moments and Kahan-compensated all-bf16 (settings of the grid's precision) and "
+    "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: the grid's "
+    "compressed activations, 8-bit momentum and Kahan-compensated bf16, timed by the same sweep; compressed activations "
+    "trained alone and in the search's picks beside the same baseline, 8-bit momentum and Kahan alone beside their own "
+    "stages' baselines on the same seeds, and those stages' arms on top of other levers, timed by those runs. DynamicConv: 8-bit Adam moments and Kahan-compensated all-bf16 (settings of the grid's precision) and "
     "compressed activations (a dimension of the grid), one seed beside each study's own "
     "baseline, their intervals as the other DynamicConv points', timed by those runs. One machine per study; a white "
     "star is the exact twin of a trained one.")

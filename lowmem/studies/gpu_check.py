@@ -49,6 +49,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from lowmem.config import pick
 from lowmem.memory.accounting import MIB, Workspace, optimizer_tensors
 from lowmem.memory.measure import CPUWorkspace, measure_step
+from lowmem.studies.quality_model import techniques_config
 from lowmem.techniques import precision
 from lowmem.techniques.step import Techniques, train_step
 from lowmem.wrn import memory as wrn_memory
@@ -192,7 +193,7 @@ def memory_row(c: Check, name: str, role: str, tech: Techniques, workspace: Work
     model = wrn_model(s.model, s.num_classes, s.in_channels, tech, c.device, 0, in_shape)
     x = precision.cast_batch(torch.randn(s.batch_size, s.in_channels, s.image_size, s.image_size, device=c.device), prec)
     y = torch.randint(0, s.num_classes, (s.batch_size,), device=c.device)
-    opt = make_optimizer(model)
+    opt = make_optimizer(model, name=tech.optimizer)
     scaler = precision.make_scaler(prec, c.device.type)
     measured, how = measure_step(lambda mark: train_step(model, opt, x, y, tech, mark, scaler), model, opt, (x, y))
     # What the allocator holds between steps beyond the step's tensors: the libraries' persistent workspace.
