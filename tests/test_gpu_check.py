@@ -93,3 +93,11 @@ def test_a_failed_configuration_keeps_its_error_in_the_tables_beside_the_others(
     assert rows[-1]["error"] == "TypeError: boom" and rows[-1]["measured_mib"] == "" and rows[0]["error"] == ""
     assert "| broken | checkpointing |" in (tmp_path / "gpu_check_memory.md").read_text()
     assert "broken" not in {r["configuration"] for r in gpu_check.reductions([*result["memory"], failed])}
+
+
+def test_a_combination_is_checked_with_its_optimizer_and_compressed_activations() -> None:
+    c = gpu_check.load_check(dry=True)
+    t = gpu_check._named(c, {"precision": "half-fp16", "activation_bits": 4, "optimizer": "bnb-sgd8bit"})
+    assert (t.precision, t.activation_bits, t.optimizer) == ("half-bf16", 4, "bnb-sgd8bit")  # a dry run's bf16
+    k = gpu_check._named(c, {"precision": "half-bf16-kahan", "microbatch": 8})
+    assert (k.precision, k.optimizer, k.microbatch) == ("half-bf16", "optimi-sgd", 8)

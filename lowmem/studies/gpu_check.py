@@ -132,9 +132,12 @@ def load_check(dry: bool, params_path: Path = ROOT / "params.yaml") -> Check:
                                                         mp["in_channels"], mp["image_size"]), strategies, False)
 
 
-def _named(config: dict[str, Any]) -> Techniques:
-    return Techniques(sparsity=config.get("sparsity", 0.0), precision=config.get("precision", "fp32"),
-                      microbatch=config.get("microbatch", 0), checkpoint=config.get("checkpoint", "none"))
+def _named(c: Check, config: dict[str, Any]) -> Techniques:
+    """A grid configuration as the run's Techniques, its 16-bit precision in the check's format (``Check.mode``)."""
+    t = techniques_config("wrn", config)
+    return Techniques(sparsity=t.get("sparsity", 0.0), precision=c.mode(t.get("precision", "fp32")),
+                      microbatch=t.get("microbatch", 0), checkpoint=t.get("checkpoint", "none"),
+                      activation_bits=t.get("activation_bits", 0), optimizer=t.get("optimizer", "sgd"))
 
 
 def combinations(root: Path = ROOT) -> list[tuple[str, dict[str, Any]]]:
@@ -165,7 +168,7 @@ def configurations(c: Check, root: Path = ROOT) -> list[tuple[str, str, Techniqu
     out += [(f"checkpoint-{s}", "checkpointing", Techniques(checkpoint=s)) for s in c.strategies]
     out += [("sparsity-0.9", "sparsity", Techniques(sparsity=0.9))]
     for role, cfg in combinations(root):
-        t = _named({**cfg, "precision": c.mode(cfg.get("precision", "fp32"))})
+        t = _named(c, cfg)
         name = "+".join(f"{k}-{v}" if k != "precision" else str(v) for k, v in cfg.items())
         out.append((name, role, t))
     if c.dry:  # one configuration per code path (lever, mixed and half precision, a combination) runs every path;
