@@ -106,8 +106,8 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
         p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
         assert m[track]["accounted"] == len(combinations.grid(p))
-        paper = [c for c in combinations.grid(p) if not quality_model.beyond_paper(c)
-                 and c.get("precision") not in quality_model.BEYOND_PAPER_DYNAMICCONV]  # WRN's activations, DynamicConv's 8-bit Adam and Kahan
+        paper = [c for c in combinations.grid(p) if not quality_model.beyond_paper(quality_model.techniques_config(track, c))
+                 and c.get("precision") not in quality_model.BEYOND_PAPER_DYNAMICCONV]  # WRN's activations, 8-bit momentum and Kahan; DynamicConv's 8-bit Adam and Kahan
         assert m[track]["accounted_paper_levers"] == len(paper)
         # The rows "the paper's" never pick a combination with a lever beyond the paper (WRN's compressed activations,
         # DynamicConv's precision settings beyond it).
