@@ -1,6 +1,7 @@
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import torch
 from _pytest.nodeid import NodeId
 
 NOTEBOOKS = Path(__file__).parents[1] / "notebooks"
+RUNS = pytest.StashKey[str]()
 
 
 @pytest.fixture(autouse=True)
@@ -31,6 +33,12 @@ def pytest_configure(config: pytest.Config) -> None:
     # checkout's data/runs: a test
     # must train what it asserts on, and must not fill the store a reader's pipeline uses.
     os.environ["LOWMEM_RUNS"] = tempfile.mkdtemp(prefix="lowmem-test-runs-")
+    config.stash[RUNS] = os.environ["LOWMEM_RUNS"]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if RUNS in config.stash:  # each process's own store, not left in /tmp after the session
+        shutil.rmtree(config.stash[RUNS], ignore_errors=True)
 
 
 # The test tiers (README, "Tests"): unit tests; `slow` ones that run a pipeline or many training steps; and the

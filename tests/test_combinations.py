@@ -1,6 +1,8 @@
 """The combination study: Pareto extraction, budget tables, the comparison with the paper, the grid and the chosen
 subset, the accountant's shortcut for microbatches, and the DVC matrix stages."""
 
+import dataclasses
+import importlib.metadata
 import io
 import json
 import os
@@ -658,13 +660,37 @@ def test_the_grid_accounts_its_rows_as_the_accountant_does_kahan_doubling_the_bf
     assert rows["bnb"]["total_mib"] * 2**20 == direct.peak
 
 
+def test_a_memory_key_changes_with_each_input_of_the_row_and_with_the_accountant(monkeypatch: pytest.MonkeyPatch) -> None:
+    p = _optimizer_grid(wrn=SMALL_WRN)
+    configs = [{}, {"optimizer": "bnb-sgd8bit"}, {"precision": "half-bf16-kahan"}, {"sparsity": 0.9}]
+    keys, digest = combinations.memory_keys(p, configs)
+    assert len(set(keys)) == len(configs) and combinations.memory_keys(p, configs) == (keys, digest)
+    for other in (dataclasses.replace(p, seed=1), dataclasses.replace(p, sparse_format="csr32"),
+                  dataclasses.replace(p, wrn={**SMALL_WRN, "batch_size": 8}),
+                  dataclasses.replace(p, dsr={**p.dsr, "dsr_reallocate": p.dsr["dsr_reallocate"] + 1})):
+        assert not set(combinations.memory_keys(other, configs)[0]) & set(keys)
+    monkeypatch.setattr(combinations, "MEMORY_ROW_FORMAT", combinations.MEMORY_ROW_FORMAT + 1)
+    moved, moved_digest = combinations.memory_keys(p, configs)
+    assert moved_digest != digest and not set(moved) & set(keys)
+    # A library the grid does not use may be missing: its version is None, not an error.
+    real = importlib.metadata.version
+
+    def version(lib: str) -> str:
+        if lib == "bitsandbytes":
+            raise importlib.metadata.PackageNotFoundError(lib)
+        return real(lib)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert combinations.memory_keys(p, [{}])[1] not in (digest, moved_digest)
+
+
 def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = _optimizer_grid(wrn=SMALL_WRN, workers=2)
     configs = [{}, {"optimizer": "bnb-sgd8bit"}, {"precision": "half-bf16-kahan", "microbatch": 8}, {"sparsity": 0.9, "optimizer": "bnb-sgd8bit"}]
     serial = [combinations.wrn_memory_row(p, c) for c in configs]
     cache = tmp_path / "wrn_memory.csv"
     assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial  # spawned processes
-    table = pd.read_csv(cache)
+    table = pd.read_csv(cache, dtype={"memory_key": str})
     assert list(table.memory_key) == combinations.memory_keys(p, configs)[0] and len(set(table.memory_key)) == 4
     # From the cache nothing is accounted again; a row another accountant wrote is; an interruption keeps what was done.
     p.workers = 1
@@ -688,6 +714,11 @@ def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(
     with pytest.raises(InterruptedError):
         combinations.wrn_memory_rows(p, configs, progress=False, cache=cache, every=2)
     assert len(pd.read_csv(cache)) == 2  # the first part, written before the interruption
+    cache.unlink()  # and within one part, the rows accounted before the error are written as it stops
+    calls.clear()
+    with pytest.raises(InterruptedError):
+        combinations.wrn_memory_rows(p, configs, progress=False, cache=cache)
+    assert list(pd.read_csv(cache, dtype={"memory_key": str}).memory_key) == combinations.memory_keys(p, configs)[0][:2]
     calls.clear()
     fail_at[0] = 0
     assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == configs[2:]
@@ -751,7 +782,8 @@ def test_a_setting_whose_effect_came_from_a_levers_stage_shows_that_arms_quality
     sel = [{"slot": 0, "name": "baseline", "role": "baseline", "config": {}},
            {"slot": 1, "name": "half-bf16", "role": "single technique", "config": {"precision": "half-bf16"}}]
     (tmp_path / "wrn_selected.json").write_text(json.dumps({"profile": p.profile, "selected": sel}))
-    effects = [{"lever": "precision", "setting": "half-bf16", "change": -0.5, "low": -1.0, "high": 0.0, "n": 3, "from": "slot 1"},
+    # The search's effect of half-bf16 differs from what its slot measured (-0.5): the table shows the slot's own.
+    effects = [{"lever": "precision", "setting": "half-bf16", "change": -0.7, "low": -1.2, "high": -0.2, "n": 3, "from": "slot 1"},
                {"lever": "optimizer", "setting": "bnb-sgd8bit", "change": -0.9, "low": -2.7, "high": 0.9, "n": 3,
                 "from": "stage levers_state_train"}]
     (tmp_path / "wrn_search.json").write_text(json.dumps({"profile": p.profile, "seeds": [0, 1, 2], "effects": effects, "selected": []}))
@@ -765,8 +797,8 @@ def test_a_setting_whose_effect_came_from_a_levers_stage_shows_that_arms_quality
     assert bnb.quality_from == "stage levers_state_train, against its own baseline" and bnb.beyond
     twin = got.loc["checkpoint-block+bnb-sgd8bit"]
     assert twin.quality_change == -0.9 and twin.quality_from.startswith("exact, by test")
-    both = got.loc["half-bf16+bnb-sgd8bit"]  # two lossy levers: predicted, not measured
-    assert np.isnan(both.quality_change) and both.predicted_change == pytest.approx(-1.4)
+    both = got.loc["half-bf16+bnb-sgd8bit"]  # two lossy levers: predicted from the search's effects, not measured
+    assert np.isnan(both.quality_change) and both.predicted_change == pytest.approx(-1.6)
     assert got.loc["half-bf16", "quality_change"] == pytest.approx(-0.5) and not got.loc["half-bf16", "beyond"]
     # A table made before the grid had the optimizer dimension is read with it off on every row.
     older = pd.DataFrame(rows[:2]).drop(columns="optimizer")

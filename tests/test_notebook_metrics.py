@@ -109,11 +109,15 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
         paper = [c for c in combinations.grid(p) if not quality_model.beyond_paper(quality_model.techniques_config(track, c))
                  and c.get("precision") not in quality_model.BEYOND_PAPER_DYNAMICCONV]  # WRN's activations, 8-bit momentum and Kahan; DynamicConv's 8-bit Adam and Kahan
         assert m[track]["accounted_paper_levers"] == len(paper)
-        # The rows "the paper's" never pick a combination with a lever beyond the paper (WRN's compressed activations,
-        # DynamicConv's precision settings beyond it).
+        # The rows "the paper's" never pick a combination with a lever beyond the paper: no part of a picked name is
+        # the name of a setting beyond the paper (WRN's compressed activations, 8-bit momentum and Kahan's bf16;
+        # DynamicConv's precision settings beyond it and its compressed activations).
+        beyond = {combinations.name(p, {d: v}) for d in quality_model.dims(track) for v in getattr(p, d)[1:]
+                  if quality_model.beyond_paper(quality_model.techniques_config(track, {d: v}))
+                  or v in quality_model.BEYOND_PAPER_DYNAMICCONV}
+        assert {"activations-2"} <= beyond and (track == "dynamicconv" or {"bnb-sgd8bit", "half-bf16-kahan"} <= beyond)
         picked = [(r["config"] or "").split("+") for b in m[track]["best_within"].values() for r in b.values()]  # names
-        assert not any(set(parts) & set(quality_model.BEYOND_PAPER_DYNAMICCONV) or any(x.startswith("activations-") for x in parts)
-                       for parts in picked)
+        assert picked and not any(set(parts) & beyond for parts in picked)
     # DynamicConv's one-seed intervals hold the seed noise of the baseline at least: each is no narrower than
     # z · √2 · seed sd about its change (a bootstrap interval alone was about a third of that at 600 updates).
     noise = m["dynamicconv_seed_noise"]

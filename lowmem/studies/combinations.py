@@ -184,11 +184,12 @@ class CombinationsParams:
                 raise ParamError("combinations_dynamicconv.optimizer: DynamicConv's optimizer levers are precision "
                                  f"settings ({', '.join(BEYOND_PAPER_DYNAMICCONV)}); remove the optimizer list")
             return
-        allowed = [o for o in optimizers.OPTIMIZERS if o != "optimi-sgd"]
+        kahan = {f["optimizer"] for f in KAHAN_PRECISIONS_WRN.values()}  # a precision setting's, not a lever of its own
+        allowed = [o for o in optimizers.OPTIMIZERS if o not in kahan]
         for o in self.optimizer:
             if o not in allowed:
                 hint = (" (Kahan's optimi-sgd is the precision setting " + ", ".join(KAHAN_PRECISIONS_WRN) + ")"
-                        if o == "optimi-sgd" else "")
+                        if o in kahan else "")
                 raise ParamError(f"combinations_wrn.optimizer: {o!r} is not allowed; use one of {', '.join(allowed)}{hint}")
         for o in {*self.optimizer, *(f["optimizer"] for m, f in KAHAN_PRECISIONS_WRN.items() if m in self.precision)}:
             try:
@@ -432,6 +433,14 @@ MEMORY_CACHE = "wrn_memory.csv"
 MEMORY_ROW_FORMAT = 1
 
 
+def _version(lib: str) -> str | None:
+    """``lib``'s installed version, or None where it is not installed (a grid that does not use it needs none)."""
+    try:
+        return importlib.metadata.version(lib)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def memory_keys(p: CombinationsParams, configs: list[dict[str, Any]]) -> tuple[list[str], str]:
     """Each configuration's accounted memory key, and the accountant's digest: of its code (``lowmem.runs.code_digest``
     of lowmem.wrn.memory's closure), the versions of the libraries whose optimizers it steps, and the row's format.
@@ -439,7 +448,7 @@ def memory_keys(p: CombinationsParams, configs: list[dict[str, Any]]) -> tuple[l
     digest, as run keys are made."""
     # The libraries count too: the accountant steps torch's, bitsandbytes' and torch-optimi's optimizers to size
     # their state.
-    libraries = {lib: importlib.metadata.version(lib) for lib in ("torch", "bitsandbytes", "torch-optimi")}
+    libraries = {lib: _version(lib) for lib in ("torch", "bitsandbytes", "torch-optimi")}
     digest = runs.make_key({"code": runs.code_digest(runs.closure("lowmem.wrn.memory")), "libraries": libraries,
                             "row": MEMORY_ROW_FORMAT}, [])
     shape = dataclasses.asdict(wrn_shape(p))
@@ -465,6 +474,12 @@ def wrn_memory_rows(p: CombinationsParams, configs: list[dict[str, Any]], progre
     pool = (ProcessPoolExecutor(p.workers, mp_context=multiprocessing.get_context("spawn"))
             if p.workers > 1 and len(todo) > 1 else None)
     account = partial(wrn_memory_row, p)
+
+    def save() -> None:
+        if cache is not None and known:
+            table = pd.DataFrame([{"memory_key": k, "accountant": digest, **r} for k, r in known.items()])
+            runs.atomic_write(cache, lambda tmp: table.to_csv(tmp, index=False))
+
     try:
         with tqdm(total=len(configs), initial=len(configs) - len(todo), disable=not progress, mininterval=10,
                   desc=f"accounting wrn combinations ({p.workers} process{'es' if p.workers > 1 else ''})") as bar:
@@ -474,12 +489,12 @@ def wrn_memory_rows(p: CombinationsParams, configs: list[dict[str, Any]], progre
                 for i, row in zip(part, pool.map(account, cfgs, chunksize=4) if pool else map(account, cfgs)):
                     known[keys[i]] = row
                     bar.update()
-                if cache is not None:
-                    table = pd.DataFrame([{"memory_key": k, "accountant": digest, **r} for k, r in known.items()])
-                    runs.atomic_write(cache, lambda tmp: table.to_csv(tmp, index=False))
+                save()
     except BaseException:
+        save()  # the rows accounted since the last write are kept too
         if pool:
-            pool.shutdown(wait=False, cancel_futures=True)  # an error stops the sweep now, not after the others' minutes
+            # Cancels the configurations not yet started; those running finish first (at most one chunk a process).
+            pool.shutdown(wait=False, cancel_futures=True)
         raise
     if pool:
         pool.shutdown()
@@ -529,6 +544,14 @@ def kept_wrn(p: CombinationsParams, chosen: dict[str, Any], previous: dict[str, 
     if not same:
         return None
     return {**previous, **chosen, "runs": [{**r, "trained": False, "kept": True} for r in previous["runs"]]}
+
+
+def _previous(metrics: Path) -> dict[str, Any]:
+    """A slot's persisted metrics, or nothing where there are none or they cannot be read (then the slot trains)."""
+    try:
+        return json.loads(metrics.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
 def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
@@ -740,8 +763,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = selected[args.slot]
         cfg = chosen["config"]
         print(f"== {p.task} slot {args.slot}: {chosen['name']} ({chosen['role']})", flush=True)
-        kept = (kept_wrn(p, chosen, json.loads(args.metrics.read_text()))
-                if p.task == "wrn" and args.metrics.exists() else None)
+        kept = kept_wrn(p, chosen, _previous(args.metrics)) if p.task == "wrn" else None
         if kept is not None:
             print(f"kept: {args.metrics} already holds {chosen['name']} trained with these run keys", flush=True)
             runs.write_json(args.metrics, kept)

@@ -31,7 +31,7 @@ from matplotlib.figure import Figure
 
 from lowmem.studies import quality
 from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, LEVERS_STAGES,
-                                          OPTIONAL_DIMS, beyond_paper, beyond_paper_rows, dims, paired_change,
+                                          OPTIONAL_DIMS, arm_change, beyond_paper, beyond_paper_rows, dims, paired_change,
                                           predict, selection, techniques_config)
 
 REFERENCE = Path(__file__).with_name("paper_reference.yaml")
@@ -196,13 +196,13 @@ def beyond_rows(metrics_dir: Path, grid_configs: set[str] = frozenset()) -> pd.D
         if not path.exists():
             continue
         res = json.loads(path.read_text())
-        arms, seeds = res["arms"], res["seeds"]
+        arms = res["arms"]
         base = arms["baseline"]
         for name, arm in arms.items():
             if (not beyond_paper(arm["techniques"]) or any(r["name"] == name for r in rows)
                     or json.dumps(arm["techniques"], sort_keys=True) in grid_configs):
                 continue
-            c = paired_change({"seeds": seeds, **arm}, {"seeds": seeds, **base})
+            c = arm_change(res, name, "baseline")
             rows.append({"name": name, "config": json.dumps(arm["techniques"]), "role": "beyond the paper",
                          **{k: v for k, v in arm["memory"].items()},
                          "reduction": base["memory"]["total_mib"] / arm["memory"]["total_mib"],

@@ -15,11 +15,11 @@ import pandas as pd
 from lowmem.studies import quality
 
 DIMS = ("sparsity", "precision", "microbatch", "checkpoint")  # the paper's four levers, the dimensions of both grids
-# Both grids have one more dimension, a lever beyond the paper: the bits each activation saved for backward is stored
-# in (lowmem.techniques.compress; 0 = as computed; DynamicConv: the plugin's --activation-bits).
+# Both grids add a lever beyond the paper: the bits each activation saved for backward is stored in
+# (lowmem.techniques.compress; 0 = as computed; DynamicConv: the plugin's --activation-bits). WRN's adds a second, the
+# optimizer (lowmem.techniques.optimizers), whose 8-bit momentum (bnb-sgd8bit) is beyond the paper; a table made
+# before that dimension existed is read with it off ("sgd") on every row.
 DIMS_OF = {"wrn": DIMS + ("activation_bits", "optimizer"), "dynamicconv": DIMS + ("activation_bits",)}
-# WRN's grid has one more: the optimizer (lowmem.techniques.optimizers), whose 8-bit momentum (bnb-sgd8bit) is a
-# lever beyond the paper. A table made before this dimension existed is read with it off ("sgd") on every row.
 OPTIONAL_DIMS = {"optimizer": "sgd"}
 # WRN's precision settings beyond the paper, and what each one trains with (the fields of a Techniques): 16-bit
 # weights with torch-optimi's Kahan-compensated SGD, as DynamicConv's all-bf16-kahan. A precision setting, not an
