@@ -23,7 +23,8 @@ repro-all: setup
 	python -m lowmem.pipeline.stage_times --all
 
 # Every tier in one pytest session, on two pytest-xdist workers (tests/conftest.py: the pipeline test, the notebooks
-# that reuse its runs and the assertions on their metrics share one worker, in order). The tiers alone, serially:
+# that reuse its runs and the assertions on their metrics share one worker, in order; the notebooks that only account,
+# with their assertions, another). The tiers alone, serially:
 test: setup
 	python -m pytest -n 2 --dist loadgroup
 

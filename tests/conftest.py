@@ -51,6 +51,10 @@ METRICS_TESTS = "test_notebook_metrics.py"
 # copy, the notebooks, then the assertions on what they wrote. The other tests spread over both workers.
 IN_ORDER = ("test_lab.py", "test_pipeline.py", METRICS_TESTS)
 GROUP = "pipeline-and-notebooks"
+# The notebooks that only account (no run store, no trained run: 12 and 13), with the assertions on their metrics, are
+# a group of their own, in the same order: xdist runs it beside the pipeline's group, on either worker, not after it.
+ACCOUNTING_NOTEBOOKS = ("12", "13")
+ACCOUNTING_GROUP = "accounting-notebooks"
 SESSION_START = time.time()
 
 
@@ -62,8 +66,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if (item.path.suffix == ".ipynb" or item.path.name in IN_ORDER) and getattr(config.option, "loadgroup", False):
             # xdist 3.8.0 groups by the "@group" suffix of a nodeid, which it writes to item._nodeid; pytest 9.2 reads
             # the nodeid from item._id, so the suffix is set there (xdist's own rewrite then has no effect).
-            item._id = NodeId.parse(f"{item.nodeid}@{GROUP}")
+            item._id = NodeId.parse(f"{item.nodeid}@{ACCOUNTING_GROUP if _notebook_number(item) in ACCOUNTING_NOTEBOOKS else GROUP}")
     items.sort(key=lambda item: item.path.name == METRICS_TESTS)  # stable: everything else keeps its order
+
+
+def _notebook_number(item: pytest.Item) -> str:
+    """The two digits a notebook's name, or an assertion on its metrics (test_NN_...), starts with; else ''."""
+    name = item.path.stem if item.path.suffix == ".ipynb" else item.name.removeprefix("test_")
+    return name[:2] if name[:2].isdigit() else ""
 
 
 @pytest.fixture

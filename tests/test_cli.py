@@ -107,7 +107,8 @@ SMALL = plan.Levers(precision=("fp32", "half-bf16"), checkpoint=("none", "planne
 def test_plan_keeps_what_fits_and_its_pareto_set():
     req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
     full = profile.account(req).peak
-    p = plan.make_plan(req, full // 2, progress=False, levers=SMALL)
+    cache: dict = {}  # the accounted configurations, shared by the plans of this request, as the planner's stage does
+    p = plan.make_plan(req, full // 2, progress=False, levers=SMALL, cache=cache)
     assert (p.fitting.peak_bytes <= full // 2).all() and len(p.fitting) >= 1
     # Each fitting row's microbatch is the largest that fits: twice as large does not (or it is the whole batch).
     for r in p.fitting.itertuples():
@@ -122,11 +123,11 @@ def test_plan_keeps_what_fits_and_its_pareto_set():
     # Every row's peak is the account of its configuration, its checkpoint placement included.
     for row in p.fitting.itertuples():
         assert profile.account(req, row.tech, segments=row.segments).peak == row.peak_bytes
-    exact = plan.make_plan(req, full, exact_only=True, progress=False, levers=SMALL).fitting
+    exact = plan.make_plan(req, full, exact_only=True, progress=False, levers=SMALL, cache=cache).fitting
     assert set(exact.quality_risk) == {"exact"} and set(exact.precision) == {"fp32"}
     # --max-loss filters on the low end of each row's interval, not on its mean.
-    every = plan.make_plan(req, full, progress=False, levers=SMALL).rows
-    kept = plan.make_plan(req, full, max_loss=1.0, progress=False, levers=SMALL).fitting
+    every = plan.make_plan(req, full, progress=False, levers=SMALL, cache=cache).rows
+    kept = plan.make_plan(req, full, max_loss=1.0, progress=False, levers=SMALL, cache=cache).fitting
     assert (kept.predicted_low >= -1.0).all() and (every.predicted_low < -1.0).any()
 
 
@@ -249,7 +250,7 @@ def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
     (["profile", "torchvision:resnet18", "--input", "3xa"], "is not positive integers joined by x"),
     (["profile", "torchvision:resnet18", "--input", "3x32x32", "--optimizer", "lion"], "is not one of sgd, sgd-momentum"),
     (["profile", "torchvision:resnet18", "--input", "3x4x4"], "the training step fails on this model and input"),
-    (["plan", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--budget", "1KiB", "--optimizer-state", "given"],
+    (["plan", "lowmem.cli.examples:conv1d", "--batch", "2", "--input", "8x16", "--budget", "1KiB", "--optimizer-state", "given"],
      "no configuration fits"),
     (["profile", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--devices", "2", "--step", "fused"], "over 2 devices"),
     (["plan", "fairseq:lightconv_iwslt_de_en", "--batch", "4", "--input", "16", "--vocab", "100", "--budget", "1GiB",
@@ -474,9 +475,9 @@ def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_ri
     from lowmem.dynamicconv import memory as fairseq_memory
 
     req = Request("fairseq:lightconv_iwslt_de_en", 2, (8,), "adam", vocab=64)
-    rows = plan_fairseq.rows(req, 2**40, False, plan.ROOT, ("given", "kahan"))
-    kahan = [r for r in rows if r["optimizer"] == "lowmem_adamw_kahan"]
-    assert kahan and {r["precision"] for r in kahan} == {"--precision half-bf16"}
+    kahan = plan_fairseq.rows(req, 2**40, False, plan.ROOT, ("kahan",))
+    assert kahan and {r["optimizer"] for r in kahan} == {"lowmem_adamw_kahan"}
+    assert {r["precision"] for r in kahan} == {"--precision half-bf16"}
     assert {r["checkpoint"] for r in kahan} == {"none", "--checkpoint-activations"}
     lever = plan_fairseq.levers_measured(plan.ROOT)["--precision half-bf16 --optimizer lowmem_adamw_kahan"]
     run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_kahan_train.json").read_text())["trained"]
@@ -488,15 +489,20 @@ def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_ri
         assert r["quality_risk"].startswith("--precision half-bf16 --optimizer lowmem_adamw_kahan: ")
         if "--update-freq" not in args:  # one lossy lever, the pair: its measured change alone
             assert (r["predicted_change"], r["predicted_low"]) == (lever["change"], lever["low"])
-    # The same precision with fairseq's Adam is its own lever, not Kahan's; fairseq's Adam keeps fp32 moments for bf16
-    # weights (8 bytes a weight), the compensated AdamW two bf16 moments and a bf16 compensation (6).
+    # The same precision with fairseq's Adam (the command less the optimizer the setting appends) is its own lever, not
+    # Kahan's; fairseq's Adam keeps fp32 moments for bf16 weights (8 bytes a weight), the compensated AdamW two bf16
+    # moments and a bf16 compensation (6).
+    effects = plan_fairseq.measured(plan.ROOT)
     for r in kahan:
-        given = next(g for g in rows if g["optimizer"] == "adam" and
-                     (g["precision"], g["checkpoint"], g["microbatch"]) == (r["precision"], r["checkpoint"], r["microbatch"]))
-        assert given["quality_risk"].startswith("--precision half-bf16: ") and r["peak_bytes"] < given["peak_bytes"]
+        args = r["how_to_apply"].removeprefix("fairseq-train ").removesuffix(" (plus your data and recipe)").split()
+        assert args[-2:] == ["--optimizer", "lowmem_adamw_kahan"]
+        assert fairseq_memory.account(args[:-2], 64, 64, 16, 8).peak > r["peak_bytes"]
+        _, _, label = plan_fairseq.risk({"precision": r["precision"].split(), "checkpoint": [] if r["checkpoint"] == "none" else [r["checkpoint"]],
+                                         "microbatch": r["microbatch"].split(), "optimizer": []}, effects)
+        assert label.startswith("--precision half-bf16: ")
     # With --update-freq, fairseq's own lossy microbatching adds its effect beside the pair's.
     _, _, label = plan_fairseq.risk({"precision": ["--precision", "half-bf16"], "checkpoint": [], "optimizer": ["--optimizer", "lowmem_adamw_kahan"],
-                                     "microbatch": ["--update-freq", "2", "--max-tokens", "8"]}, plan_fairseq.measured(plan.ROOT))
+                                     "microbatch": ["--update-freq", "2", "--max-tokens", "8"]}, effects)
     assert [p.split(":")[0] for p in label.split("; ")] == ["--precision half-bf16 --optimizer lowmem_adamw_kahan", "--update-freq 2"]
     # fairseq's own architectures keep fp32 weights (--fp16 has fp32 master weights): no Kahan setting there.
     assert "kahan" not in plan_fairseq.options(Request("fairseq:transformer_iwslt_de_en", 2, (8,), "adam", vocab=64))["optimizer"]

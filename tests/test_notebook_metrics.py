@@ -115,7 +115,7 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
         beyond = {combinations.name(p, {d: v}) for d in quality_model.dims(track) for v in getattr(p, d)[1:]
                   if quality_model.beyond_paper(quality_model.techniques_config(track, {d: v}))
                   or v in quality_model.BEYOND_PAPER_DYNAMICCONV}
-        assert {"activations-2"} <= beyond and (track == "dynamicconv" or {"bnb-sgd8bit", "half-bf16-kahan"} <= beyond)
+        assert {"activations-8", *({"bnb-sgd8bit", "half-bf16-kahan"} if track == "wrn" else {"adamw-8bit", "all-bf16-kahan"})} <= beyond
         picked = [(r["config"] or "").split("+") for b in m[track]["best_within"].values() for r in b.values()]  # names
         assert picked and not any(set(parts) & beyond for parts in picked)
     # DynamicConv's one-seed intervals hold the seed noise of the baseline at least: each is no narrower than

@@ -39,8 +39,8 @@ class PlannerParams:
     profile: str = "smoke"
     seed: int = 0
     models: list[dict] = field(default_factory=lambda: [
-        {"name": "WRN-10-1", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum"}])
-    budgets: list[str] = field(default_factory=lambda: ["2MiB", "4MiB"])
+        {"name": "1-d CNN", "model": "lowmem.cli.examples:conv1d", "batch": 8, "input": "8x128", "optimizer": "adam"}])
+    budgets: list[str] = field(default_factory=lambda: ["600KiB", "1GiB"])
     memtracker_families: list[str] = field(default_factory=lambda: ["1-d convolutions"])
     sac_models: list[dict] = field(default_factory=lambda: [
         {"name": "WRN-10-1", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum"}])
