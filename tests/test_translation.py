@@ -180,6 +180,30 @@ def test_a_finished_command_is_not_rerun_and_another_starts_over(trained: tuple[
 
 
 @pytest.mark.slow
+def test_a_fairseq_train_that_dies_after_it_finished_keeps_its_run_and_one_that_dies_before_fails(
+        trained: tuple[Path, list[dict], TranslationTrainParams], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for fairseq-train: it prints a finished run's log (or that log less its last line) and aborts, as
+    # fairseq-train did once at exit in CI ("terminate called without an active exception").
+    data, records, t = trained
+    finished = translation.store_run(t, data).dir / "train.log"
+    lines = finished.read_text().splitlines(keepends=True)
+    assert "done training in" in lines[-1]
+    unfinished = tmp_path / "unfinished.log"
+    unfinished.write_text("".join(lines[:-1]))
+
+    def dies_after(log: Path) -> None:
+        script = f"import os, sys; sys.stdout.write(open({str(log)!r}).read()); sys.stdout.flush(); os.abort()"
+        monkeypatch.setattr(translation.corpus, "fairseq_cli", lambda tool: [sys.executable, "-c", script])
+
+    dies_after(finished)
+    kept = translation.train(TranslationTrainParams(**{**t.__dict__, "max_update": 41}), data)
+    assert kept == translation.parse_log(lines)
+    dies_after(unfinished)
+    with pytest.raises(RuntimeError, match=r"fairseq-train failed \(-6\)"):
+        translation.train(TranslationTrainParams(**{**t.__dict__, "max_update": 43}), data)
+
+
+@pytest.mark.slow
 def test_a_longer_runs_interval_checkpoint_is_the_shorter_runs_model(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
     # BLEU over updates (lowmem.studies.bleu_noise) decodes one long run's interval checkpoints in place of runs
     # stopped there: fairseq seeds each update from its number, and saving or validating in between draws nothing.
