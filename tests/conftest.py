@@ -48,7 +48,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 METRICS_TESTS = "test_notebook_metrics.py"
 # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) these share one worker, in collection order, since they share
 # its run store and the notebooks' output folder: the browser test (which runs notebook 01's source), the pipeline
-# copy, the notebooks, then the assertions on what they wrote. The other tests spread over both workers.
+# copy, the notebooks, then the assertions on what they wrote (but for ACCOUNTING_NOTEBOOKS, below). The other tests
+# spread over both workers.
 IN_ORDER = ("test_lab.py", "test_pipeline.py", METRICS_TESTS)
 GROUP = "pipeline-and-notebooks"
 # The notebooks that only account (no run store, no trained run: 12 and 13), with the assertions on their metrics, are

@@ -3,7 +3,9 @@ tensors' account and PyTorch's profiler; the budget's units; the plan's filters 
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -250,8 +252,7 @@ def test_plan_refuses_a_budget_nothing_meets_naming_the_smallest_peak():
     (["profile", "torchvision:resnet18", "--input", "3xa"], "is not positive integers joined by x"),
     (["profile", "torchvision:resnet18", "--input", "3x32x32", "--optimizer", "lion"], "is not one of sgd, sgd-momentum"),
     (["profile", "torchvision:resnet18", "--input", "3x4x4"], "the training step fails on this model and input"),
-    (["plan", "lowmem.cli.examples:conv1d", "--batch", "2", "--input", "8x16", "--budget", "1KiB", "--optimizer-state", "given"],
-     "no configuration fits"),
+    (["plan", "lowmem.cli.examples:conv1d", "--batch", "2", "--input", "8x16", "--budget", "1KiB"], "no configuration fits"),
     (["profile", "wrn:wrn-10-1", "--batch", "2", "--input", "3x8x8", "--devices", "2", "--step", "fused"], "over 2 devices"),
     (["plan", "fairseq:lightconv_iwslt_de_en", "--batch", "4", "--input", "16", "--vocab", "100", "--budget", "1GiB",
       "--step", "fused"], "add --step plain"),
@@ -409,11 +410,12 @@ def test_the_sac_cross_check_is_the_same_whatever_numpys_global_generator_holds_
 
 
 @pytest.fixture
-def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> None:
+def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     """fairseq's accounting remembered by its arguments for one test (each full-size account takes seconds). A row's
     printed command, accounted again, is then the very call that made the row when the command is the one accounted,
     and is accounted afresh when it is not: asserting the two peaks equal still checks that the command printed is the
-    command accounted (the account depends on its arguments alone: shapes on the meta device, a seeded batch)."""
+    command accounted. Returns the accounting itself, not remembered, for a test to check that an account made
+    afresh, after the others, is the remembered one (nothing the others left behind changes it)."""
     from lowmem.dynamicconv import memory as fairseq_memory
 
     seen: dict[tuple, object] = {}
@@ -426,9 +428,10 @@ def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> None:
         return seen[key]
 
     monkeypatch.setattr(fairseq_memory, "account", account)
+    return real
 
 
-def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq(fairseq_accounts: None) -> None:
+def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq(fairseq_accounts: Callable[..., Any]) -> None:
     from lowmem.cli import plan_fairseq
     from lowmem.dynamicconv import memory as fairseq_memory
 
@@ -450,6 +453,9 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
             k1[k1.index("--max-tokens") + 1] = "16"
             assert fairseq_memory.account(k1, 64, 64, 16, 8).peak > plain - 1
         assert (r.quality_risk == "exact") == (r.precision == "fp32" and "--update-freq" not in args)
+        if r.precision == "--precision half-bf16" and "--update-freq" not in args:  # fairseq's Adam: the precision's own risk
+            assert r.quality_risk.startswith("--precision half-bf16: ")
+    assert any(r.precision == "--precision half-bf16" and "--update-freq" not in r.how_to_apply for r in p.rows.itertuples())
     # 8-bit Adam moments: fewer bytes than fp32 moments, also under autocast (accounted on fake tensors, beside
     # bitsandbytes' real code books), with the DynamicConv study's measured risk.
     eight = opts["optimizer"]["8-bit"]
@@ -467,7 +473,7 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
     assert "widened by the baseline's seed sd" in lever["where"]
 
 
-def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_risk_keyed_with_them(fairseq_accounts: None) -> None:
+def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_risk_keyed_with_them(fairseq_accounts: Callable[..., Any]) -> None:
     """The Kahan-compensated AdamW is a setting only beside the plugin's bf16 weights (with fp32 weights it
     compensates nothing), its row accounts the printed command, and its risk is all-bf16 with Kahan's measured change
     (stage translation_kahan_train) in place of the precision's own: all-bf16 without it loses 10 BLEU."""
@@ -483,6 +489,8 @@ def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_ri
     run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_kahan_train.json").read_text())["trained"]
                if r["technique"] == "all-bf16-kahan")
     assert lever["change"] == run["sacrebleu_change"] and lever["low"] < run["sacrebleu_change_low"]
+    printed = kahan[0]["how_to_apply"].removeprefix("fairseq-train ").removesuffix(" (plus your data and recipe)").split()
+    assert fairseq_accounts(printed, 64, 64, 16, 8).peak == kahan[0]["peak_bytes"]  # afresh, after the plan's accounts
     for r in kahan:
         args = r["how_to_apply"].removeprefix("fairseq-train ").removesuffix(" (plus your data and recipe)").split()
         assert fairseq_memory.account(args, 64, 64, 16, 8).peak == r["peak_bytes"]

@@ -698,9 +698,12 @@ def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(
     fail_at = [3]  # the call that is killed
     real = combinations.wrn_memory_row
 
+    written_when_killed: list[int] = []  # the rows on disk as the kill comes: what a SIGKILL would leave
+
     def counted(q: combinations.CombinationsParams, cfg: dict) -> dict:
         calls.append(cfg)
         if len(calls) == fail_at[0]:
+            written_when_killed.append(len(pd.read_csv(cache)) if cache.exists() else 0)
             raise InterruptedError("killed")
         return real(q, cfg)
 
@@ -713,11 +716,12 @@ def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(
     calls.clear()
     with pytest.raises(InterruptedError):
         combinations.wrn_memory_rows(p, configs, progress=False, cache=cache, every=2)
-    assert len(pd.read_csv(cache)) == 2  # the first part, written before the interruption
+    assert written_when_killed == [2] and len(pd.read_csv(cache)) == 2  # the first part, written before the interruption
     cache.unlink()  # and within one part, the rows accounted before the error are written as it stops
     calls.clear()
     with pytest.raises(InterruptedError):
         combinations.wrn_memory_rows(p, configs, progress=False, cache=cache)
+    assert written_when_killed[-1] == 0  # nothing was on disk: the error wrote them
     assert list(pd.read_csv(cache, dtype={"memory_key": str}).memory_key) == combinations.memory_keys(p, configs)[0][:2]
     calls.clear()
     fail_at[0] = 0

@@ -46,7 +46,7 @@ def run(p: PlannerParams) -> dict[str, pd.DataFrame]:
             for f in tqdm(as_completed(futures), total=len(futures), desc=f"planning ({p.workers} processes)", disable=None):
                 f.result()  # a job's error stops the stage without starting the jobs still waiting
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)  # the jobs already running finish first
+            pool.shutdown(wait=False, cancel_futures=True)  # the jobs already running finish before the process exits
             raise
         pool.shutdown()
         done = [f.result() for f in futures]  # in the jobs' order, whichever finished first

@@ -491,10 +491,11 @@ def wrn_memory_rows(p: CombinationsParams, configs: list[dict[str, Any]], progre
                     bar.update()
                 save()
     except BaseException:
-        save()  # the rows accounted since the last write are kept too
         if pool:
-            # Cancels the configurations not yet started; those running finish first (at most one chunk a process).
+            # Cancels the configurations not yet started; those running (a chunk a process at most) finish before the
+            # process exits.
             pool.shutdown(wait=False, cancel_futures=True)
+        save()  # the rows accounted since the last write are kept too
         raise
     if pool:
         pool.shutdown()
@@ -540,7 +541,7 @@ def kept_wrn(p: CombinationsParams, chosen: dict[str, Any], previous: dict[str, 
     keys = [store_run(base, seed, tech).key for seed in p.train_seeds]
     same = (previous.get("task") == p.task and previous.get("profile") == p.profile
             and previous.get("config") == chosen["config"] and previous.get("seeds") == p.train_seeds
-            and [r["key"] for r in previous.get("runs", [])] == keys)
+            and [r.get("key") for r in previous.get("runs", [])] == keys)
     if not same:
         return None
     return {**previous, **chosen, "runs": [{**r, "trained": False, "kept": True} for r in previous["runs"]]}
@@ -549,9 +550,10 @@ def kept_wrn(p: CombinationsParams, chosen: dict[str, Any], previous: dict[str, 
 def _previous(metrics: Path) -> dict[str, Any]:
     """A slot's persisted metrics, or nothing where there are none or they cannot be read (then the slot trains)."""
     try:
-        return json.loads(metrics.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        previous = json.loads(metrics.read_text())
+    except (FileNotFoundError, ValueError):  # ValueError: not JSON, or not text
         return {}
+    return previous if isinstance(previous, dict) else {}
 
 
 def train_wrn(p: CombinationsParams, cfg: dict[str, Any], progress: bool = True) -> dict[str, Any]:
