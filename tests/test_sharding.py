@@ -3,6 +3,7 @@ accountant's view of storages resized in place, a real two-process gloo run (mea
 process's, the account equal to the accountant run on the real processes), and bad input: refused before any
 process starts, a failing rank stopping the others with no process left behind."""
 
+import dataclasses
 import math
 import os
 import subprocess
@@ -247,5 +248,6 @@ def test_a_fairseq_profile_over_devices_is_the_sharded_update_and_its_plan_is_re
     assert profile.account(req).peak == shard
     one = Request("fairseq:lightconv_iwslt_de_en", 16, (16,), "adam", vocab=1000)
     assert shard < profile.account(one).peak
+    assert profile.account(dataclasses.replace(req, devices=4)).peak < shard  # and falls again with more devices
     with pytest.raises(SpecError, match="for one device"):
         plan.make_plan(req, plan.budget_bytes("1GiB"), progress=False)
