@@ -66,12 +66,12 @@ def test_fsdp_keeps_rank_0s_shard_of_every_weight_and_its_momentum(mode):
                                                 profile.models.build(WRN.spec, "meta").buffers())
 
 
-def test_full_sharding_gathers_less_at_once_than_zero2_and_both_shrink_with_devices():
-    peaks = {(n, m): profile.account(_req(n, m)) for n in (2, 4) for m in sharding.FSDP_MODES}
+def test_full_sharding_gathers_less_at_once_than_zero2_and_every_mode_shrinks_with_devices():
+    peaks = {(n, m): profile.account(_req(n, m)) for n in (2, 4) for m in sharding.MODES}
     for n in (2, 4):
         assert peaks[(n, "full")].at_peak["model"] < peaks[(n, "gradients")].at_peak["model"]
-    for m in sharding.FSDP_MODES:
-        assert peaks[(4, m)].peak < peaks[(2, m)].peak
+    for m in sharding.MODES:
+        assert peaks[(4, m)].peak < peaks[(2, m)].peak, m
 
 
 def test_a_storage_resized_in_place_is_accounted_at_each_size():
