@@ -491,18 +491,16 @@ def _quality_sources_wrn(grid: pd.DataFrame, rows: pd.DataFrame, metrics_dir: Pa
     """(study, machine) of each WRN row's quality: a levers stage's, where the search took the lever's effect from
     its arm (``results``), or the twin's that an exact row carries; else the combination study's."""
     source = grid.set_index("name").quality_from
-    studies, machines = [], []
+    studies = []
     for q in rows.quality_from:
         twin = re.search(r": (.+)'s runs?$", q) if q.startswith("exact") else None
         q = source.get(twin.group(1), q) if twin else q
         stage = re.match(r"stage (levers\w*), against its own baseline", q)
-        if stage:
-            studies.append(stage.group(1))
-            machines.append(json.loads((Path(metrics_dir) / f"{stage.group(1)}.json").read_text()).get("machine", "not recorded"))
-        else:
-            studies.append("combination_wrn")
-            machines.append(_machine(metrics_dir, "wrn"))
-    return studies, machines
+        studies.append(stage.group(1) if stage else "combination_wrn")
+    machines = {s: _machine(metrics_dir, "wrn") if s == "combination_wrn"
+                else json.loads((Path(metrics_dir) / f"{s}.json").read_text()).get("machine", "not recorded")
+                for s in set(studies)}  # each study's files read once, not once a row
+    return studies, [machines[s] for s in studies]
 
 
 def _machine(metrics_dir: Path, task: str) -> str:
