@@ -11,6 +11,7 @@ The accountant (``lowmem.memory.accounting``) is compared against this number.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -21,6 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 from lowmem.memory.accounting import StepFn, optimizer_tensors
+
+# kineto, the profiler's backend, logs a USDT line at every profiler start and stop, and on a CUDA build without a
+# GPU an ERROR that gpuGetDeviceCount failed. We start a profiler per op signature, so that is hundreds of lines of
+# noise, and the ERROR reads as a failure. Level 6 (past kineto's last level) silences its log. kineto reads the
+# variable when a profiler first starts, so setting it on import is in time; a user who wants the log sets it.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 
 def _noop(_: str) -> None:
