@@ -2,7 +2,6 @@
 SHELL := /bin/bash
 VENV := .venv
 export DVC_NO_ANALYTICS := 1
-export TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
