@@ -169,11 +169,21 @@ def test_every_strategy_lowers_the_accounted_peak_of_wrn_28_2(spec: str) -> None
 
 
 def test_the_trainer_takes_a_checkpoint_strategy() -> None:
+    """The trainer's step under a strategy checkpoints the chain and gives the plain step's loss, weights and
+    BatchNorm statistics, bit for bit."""
     torch.manual_seed(0)
-    m = build_model("wrn-10-1")
-    checkpoint.apply(m, Techniques(checkpoint="block").checkpoint)
-    loss = train_step(m, torch.optim.SGD(m.parameters(), lr=0.1), torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,)))
-    assert loss > 0
+    plain = build_model("wrn-10-1")
+    ckpt = build_model("wrn-10-1")
+    ckpt.load_state_dict(plain.state_dict())
+    checkpoint.apply(ckpt, Techniques(checkpoint="block").checkpoint)
+    assert isinstance(ckpt.blocks, checkpoint.CheckpointedChain) and not isinstance(plain.blocks, checkpoint.CheckpointedChain)
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    losses = [train_step(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), x, y) for m in (plain, ckpt)]
+    assert losses[0] == losses[1]
+    after = plain.state_dict()
+    assert list(ckpt.state_dict()) == list(after)
+    for name, value in ckpt.state_dict().items():
+        torch.testing.assert_close(value, after[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("bad", ["blocks", "every-0", "every-1.5", "optimal", "optimal-x", "sqrt-2"])

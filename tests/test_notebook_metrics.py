@@ -59,7 +59,10 @@ def test_04_precision_halves_every_byte_in_half_modes_and_bf16_fp16_cost_the_sam
         # Every stored tensor halves but the int64 labels and BatchNorm's step counters: within 0.1% of half.
         assert abs(2 * peak[f"half-bf16_b{b}"] - peak[f"fp32_b{b}"]) <= 1e-3 * peak[f"fp32_b{b}"]
         assert peak[f"half-bf16_b{b}"] == peak[f"half-fp16_b{b}"] and peak[f"mixed-bf16_b{b}"] == peak[f"mixed-fp16_b{b}"]
-    assert m["trained"]["fp32"]["acc_change_vs_fp32"] == 0
+    trained = m["trained"]
+    assert sorted(trained) == sorted(config.load("precision").train_modes)
+    for mode, row in trained.items():  # each change is against fp32's mean accuracy, rounded to 4 places
+        assert abs(row["acc_change_vs_fp32"] - (row["test_acc_mean"] - trained["fp32"]["test_acc_mean"])) <= 1.5e-4, mode
 
 
 def test_05_microbatching_under_groupnorm_is_exact_in_accuracy(notebook_metrics: Callable[[str, str], dict]) -> None:
@@ -75,7 +78,11 @@ def test_06_checkpointing_recomputes_nothing_without_a_strategy_and_stores_less_
     m = notebook_metrics("06_checkpointing", "checkpointing")
     s = m["strategies"]
     assert list(s) == config.load("checkpointing").strategies
-    assert s["none"]["extra_forward_flops"] == 0 and s["none"]["step_time_ratio"] == 1
+    assert s["none"]["extra_forward_flops"] == 0
+    fixed = [k for k in s if k == "block" or k == "sqrt" or k.startswith("every-")]
+    assert fixed
+    for k in fixed:  # each segment's forward runs again in backward: more than nothing, less than a whole forward
+        assert 0 < s[k]["extra_forward_flops"] < 1, k
     assert all(v["activations_mib"] < s["none"]["activations_mib"] for k, v in s.items() if k != "none")
 
 
@@ -92,7 +99,9 @@ def test_08_translation_techniques_fp16_halves_the_weights(notebook_metrics: Cal
     assert abs(2 * mem["fp16"]["model"] - mem["baseline"]["model"]) <= 0.002
     for name, row in mem.items():
         assert abs(sum(row[c] for c in ("model", "gradients", "optimizer", "activations", "other")) - row["total"]) <= 0.003, name
-    assert m["bleu"]["baseline"]["sacrebleu_change_low"] == m["bleu"]["baseline"]["sacrebleu_change_high"] == 0
+    for name, row in m["bleu"].items():  # the paired bootstrap gives every other run an interval of some width
+        if name != "baseline":
+            assert row["sacrebleu_change_low"] < row["sacrebleu_change_high"], name
     for name, row in m["bleu"].items():
         assert row["sacrebleu_change_low"] <= row["sacrebleu_change"] <= row["sacrebleu_change_high"], name
     noise = m["bleu_noise"]  # every two seeds are one pair: k seeds give k(k-1)/2
