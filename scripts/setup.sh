@@ -29,6 +29,10 @@ pip install -q --no-build-isolation -r requirements-2.txt -c constraints.txt
 pip install -q --no-deps --no-build-isolation -e .
 # A kernel of this venv for papermill, nbval and JupyterLab, so notebooks never run in another Python.
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name lowmem --display-name "Python (lowmem)" >/dev/null
+# papermill starts each kernel over TCP, and ipykernel warns at every start that TCP is unencrypted: noise on every
+# notebook stage of `make repro`. The kernel reads this file from the venv's etc/ipython; errors still show.
+mkdir -p "$VENV/etc/ipython"
+echo 'c.IPKernelApp.log_level = "ERROR"  # written by scripts/setup.sh' > "$VENV/etc/ipython/ipython_kernel_config.py"
 
 # Fashion-MNIST, the real image data that works offline (Debian's dataset-fashion-mnist). Optional: without it
 # the cpu profile stops with instructions; tests and the smoke profile do not need it.

@@ -48,3 +48,16 @@ def test_repro_all_runs_without_the_frozen_marks_and_puts_dvc_yaml_back(tmp_path
     assert rc == 3
     assert "frozen" not in seen.read_text() and "echo ${item.slot}" in seen.read_text()
     assert dvc_yaml.read_text() == DVC_YAML
+
+
+def test_make_repro_refreshes_the_readme_and_docs_embedded_tables(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("base:\n  profile: smoke\n")
+    (tmp_path / "dvc.yaml").write_text(DVC_YAML)
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "t.md").write_text("| a |\n|---|\n| 2 |\n")
+    (tmp_path / "docs").mkdir()
+    block = "<!-- lowmem:embed figures/t.md -->\n{}\n<!-- lowmem:embed:end -->\n"
+    (tmp_path / "docs" / "p.md").write_text(block.format("| a |\n|---|\n| 1 |"))
+    assert stage_times.main(["--out", "figures/stage_times", "--", *_echo("Running stage 'a':\n")]) == 0
+    assert (tmp_path / "docs" / "p.md").read_text() == block.format("| a |\n|---|\n| 2 |")

@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
-from lowmem.pipeline import outputs
+from lowmem.pipeline import docs, outputs
 
 STARTED = re.compile(r"^Running stage '([^']+)':")
 FROZEN = re.compile(r"^    frozen: true\b.*\n", re.MULTILINE)
@@ -117,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                                              f"DVC's hashing of its outputs. Latest run: {len(times)} stage(s), "
                                              f"{total / 60:.1f} min, profile `{profile}`.")
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
+    # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
+    changed = [p for p in docs.pages(Path(".")) if docs.refresh(p, Path("."))]
+    if changed:
+        print(f"embedded tables refreshed in {', '.join(map(str, changed))}")
     return rc
 
 
