@@ -65,7 +65,7 @@ def memtracker(req: Request, tech: Techniques = Techniques()) -> dict[str, Any]:
             **{f"memtracker_{c}": theirs[c] for c in CATEGORIES}, **{f"accountant_{c}": ours.at_peak[c] for c in CATEGORIES}}
 
 
-# The families of the README's table, small, each plain and with checkpointing where it has chains of blocks.
+# The families of docs/planner.md's table, small, each plain and with checkpointing where it has chains of blocks.
 FAMILIES = {
     "residual CNN": Request("torchvision:resnet18", 8, (3, 64, 64), "adamw"),
     "depthwise + squeeze-excitation CNN": Request("torchvision:mobilenet_v3_small", 8, (3, 64, 64), "adamw"),

@@ -41,7 +41,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 STEPS = ("plain", "fused")  # the optimizer step after backward, or fused into it (torch models on one device)
 FAIRSEQ_OPTIMIZERS = {"sgd": "sgd", "sgd-momentum": "nag", "adam": "adam", "adafactor": "adafactor"}  # fairseq's names
-# Module types whose step the accountant does not count exactly, with why (README, "Your own model", has the
+# Module types whose step the accountant does not count exactly, with why (docs/planner.md has the
 # measured gaps and the command that measures them). lowmem profile names them in its output.
 KNOWN_GAPS: dict[str, tuple[type[nn.Module], str]] = {
     "nn.LSTM": (nn.LSTM, "on the CPU an LSTM trains through oneDNN's recurrent kernel (mkldnn_rnn_layer), whose "
@@ -284,7 +284,7 @@ def measure(req: Request, tech: Techniques = Techniques()) -> tuple[MemoryReport
     account with each op's CPU workspace added, where the step is not fairseq's)."""
     if req.sharding.active:
         raise SpecError("--measure runs one process; a sharded step is measured by torchrun processes "
-                        "(python -m lowmem.cli.shard_run, README 'Past one device')")
+                        "(python -m lowmem.cli.shard_run, docs/sharding.md)")
     report, with_workspace = account(req, tech), None
     if req.spec.kind == "fairseq":
         from lowmem.dynamicconv import memory as fairseq_memory

@@ -388,7 +388,7 @@ def _search_levels(p: CombinationsParams, pool: pd.DataFrame, among: str) -> lis
 
 def trainable(p: CombinationsParams, precision_mode: str) -> bool:
     """Whether DynamicConv trains in ``precision_mode`` here. fairseq 0.12's --fp16 needs CUDA and
-    --memory-efficient-fp16 fails on the CPU at its first overflow (README); the plugin's bf16 modes train anywhere."""
+    --memory-efficient-fp16 fails on the CPU at its first overflow (docs/translation.md); the plugin's bf16 modes train anywhere."""
     if precision_mode not in FAIRSEQ_16BIT:
         return True
     return torch.cuda.is_available() and p.translation.get("device", "auto") != "cpu"

@@ -237,7 +237,7 @@ def fashion_mnist(folder: Path, device: torch.device, limit: int = 0) -> tuple[t
     missing = [n for n in FASHION if not (folder / n).exists() and not (folder / f"{n}.gz").exists()]
     if missing:
         raise FileNotFoundError(f"Fashion-MNIST is not in {folder} (missing {', '.join(missing)}): copy Debian's "
-                                f"/usr/share/datasets/fashion-mnist/*.gz there and carry that folder (README, 'The GPU check')")
+                                f"/usr/share/datasets/fashion-mnist/*.gz there and carry that folder (docs/gpu-check.md)")
     xtr, ytr, xte, yte = (_idx(folder, n) for n in FASHION)
     if limit:
         xtr, ytr, xte, yte = xtr[:limit], ytr[:limit], xte[:limit], yte[:limit]

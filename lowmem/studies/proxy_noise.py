@@ -31,7 +31,7 @@ from lowmem.studies.params import PROXY_FIELDS, ProxyNoiseParams
 from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.train import Techniques
 
-# What reruns the frozen stage (README, "Left out of the default pipeline").
+# What reruns the frozen stage (docs/pipeline.md, "Left out of the default pipeline").
 COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage proxy_noise "
            "--params data/params/proxy_noise.yaml --out metrics/proxy_noise_train.json")
 SEEDS_SHOWN = (2, 3, 5, 8, 12, 20)  # seed counts of the half-width table
