@@ -29,7 +29,7 @@ import seaborn as sns
 import yaml
 from matplotlib.figure import Figure
 
-from lowmem.studies import quality
+from lowmem.studies import known, quality
 from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, LEVERS_STAGES,
                                           OPTIONAL_DIMS, arm_change, beyond_paper, beyond_paper_rows, dims, paired_change,
                                           predict, selection, techniques_config)
@@ -370,6 +370,7 @@ def comparison(best: dict[str, pd.DataFrame], reference: dict[str, Any], label: 
                 "our_low": get("quality_low"),
                 "our_high": get("quality_high"),
                 "our_n": get("quality_n"),
+                "our_from": get("quality_from"),
                 "ours_over_paper": ours["reduction"] / ref["memory_reduction"] if found else float("nan"),
             })
     return pd.DataFrame(rows)
@@ -649,7 +650,19 @@ def budget_table(s: Study, task: str) -> pd.DataFrame:
     memory = [c for c in s.results[task].columns if c.endswith("_mib")]
     columns = ["rule", "budget", "name", "role", *memory, "reduction", "quality_change", "quality_low", "quality_high",
                "quality_n", "time_ratio", "quality_from"]
-    return s.best[task].reindex(columns=columns)
+    t = s.best[task].reindex(columns=columns)
+    return pd.concat([t, known.columns(t, _sources(s, task), _widened(s, task))], axis=1)
+
+
+def _sources(s: Study, task: str) -> dict[str, str]:
+    """Where each configuration's quality comes from, by name: what an exact or carried row names as its twin."""
+    rows = [s.results[task], s.beyond.get(task, pd.DataFrame())]
+    return {n: q for r in rows if "quality_from" in r for n, q in zip(r.name, r.quality_from) if isinstance(q, str) and q}
+
+
+def _widened(s: Study, task: str) -> bool:
+    """Whether ``task``'s one-seed intervals are widened by a measured seed sd (``widen_by_seed_noise``)."""
+    return task == "dynamicconv" and s.seed_noise is not None
 
 
 def budget_caption(s: Study, task: str) -> str:
@@ -675,8 +688,14 @@ def paper_comparison(s: Study) -> pd.DataFrame:
     """Our best reduction within the paper's own quality budget beside the paper's headline (``comparison``), each
     row labelled with the profile, model and data of our quality and the setting of our memory."""
     label = {t: f"{s.trained_on[t]}; memory: {MEMORY_AT[t]}" for t in s.results}
-    return pd.concat([comparison(_best_configs(s.best), s.reference, label),
-                      comparison(_best_configs(s.best_beyond), s.reference, label, LEVERS_BEYOND)], ignore_index=True)
+    df = pd.concat([comparison(_best_configs(s.best), s.reference, label),
+                    comparison(_best_configs(s.best_beyond), s.reference, label, LEVERS_BEYOND)], ignore_index=True)
+    df["budget_value"] = df.task.map({t: -ref["quality_change"] for t, ref in s.reference["tasks"].items()})
+    names = {"quality_from": "our_from", "quality_low": "our_low", "quality_high": "our_high", "quality_n": "our_n",
+             "budget": "budget_value"}
+    parts = [known.columns(g, _sources(s, t), _widened(s, t), names) for t, g in df.groupby("task", sort=False)]
+    k = pd.concat(parts).reindex(df.index).rename(columns=lambda c: f"our_{c}")
+    return pd.concat([df.drop(columns="budget_value"), k], axis=1)
 
 
 def comparison_caption(s: Study) -> str:

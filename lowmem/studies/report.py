@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from PIL import Image as PILImage  # Pillow: matplotlib's own dependency
 
-from lowmem.studies import frontier
+from lowmem.studies import frontier, known
 
 # The stages' figures each section shows, with the Markdown table whose caption (profile, data, method) goes under it.
 FIGURES: dict[str, list[tuple[str, str | None]]] = {
@@ -141,16 +141,96 @@ def comparison(r: Report) -> pd.DataFrame:
     return pd.read_csv(r.root / "figures" / "09_paper_comparison.csv")
 
 
+def headline_full(r: Report) -> pd.DataFrame:
+    """Every column of the headline: per task the paper's reduction within its quality budget beside our best one,
+    how its quality is known, what its interval resolves, and the reduction a GPU measured for it."""
+    c = comparison(r)
+    gpu = gpu_measured(r)
+    full = c[list(HEADLINE)].rename(columns=HEADLINE)
+    full["how known"] = c.get("our_known_detail", "")
+    full["resolution"] = c.get("our_resolution", "")
+    full["verdict"] = c.get("our_verdict", "")
+    full["on a GPU"] = [gpu_cell(t, cfg, gpu) for t, cfg in zip(c.task, c.our_config)]
+    return full
+
+
 def headline(r: Report) -> pd.DataFrame:
-    """The headline table: per task the paper's reduction within its quality budget beside our best one."""
-    return comparison(r)[list(HEADLINE)].rename(columns=HEADLINE)
+    """The headline as the README shows it, in eight columns; ``headline_caption`` holds each task's setting."""
+    c = comparison(r)
+    gpu = gpu_measured(r)
+    rows = []
+    for row in c.itertuples():
+        found = isinstance(row.our_config, str) and not pd.isna(row.our_reduction)
+        change = (f"{row.our_change:+.2f}" if row.our_change else "0") if found else ""
+        if found and getattr(row, "our_resolution", "") == "exact":
+            quality = "0 (exact)"
+        elif found and not pd.isna(row.our_low):
+            quality = f"{change} [{row.our_low:+.2f}, {row.our_high:+.2f}] {row.our_resolution}"
+        else:
+            quality = change
+        if found and getattr(row, "our_verdict", "").endswith("not resolved"):
+            quality += ": not resolved"
+        known = {"measured": f"measured, {int(row.our_n)} seed{'s' if row.our_n > 1 else ''}",
+                 "carried": f"carried from {_twin(row.our_from)}'s run", "exact by test": "exact by test",
+                 }.get(getattr(row, "our_how_known", ""), "") if found else ""
+        rows.append({"task": TASK_NAMES.get(row.task, row.task), "levers": LEVER_NAMES.get(row.levers, row.levers),
+                     "rule": row.rule, "paper": f"{row.paper_reduction:g}x at {row.paper_change:g}",
+                     "ours": f"{row.our_reduction:.2f}x: {row.our_config}" if found else row.our_config,
+                     "quality change [95%]": quality, "how known": known,
+                     "on a GPU": gpu_cell(row.task, row.our_config, gpu)})
+    return pd.DataFrame(rows)
+
+
+TASK_NAMES = {"wrn": "WRN", "dynamicconv": "DynamicConv"}
+LEVER_NAMES = {frontier.LEVERS_PAPER: "paper's", frontier.LEVERS_BEYOND: "+ beyond"}
+GPU_CHECK = Path("metrics/gpu/gpu_check.json")
+
+
+def _twin(quality_from: str) -> str:
+    m = known.EXACT_TWIN.match(quality_from) if isinstance(quality_from, str) else None
+    return m["twin"] if m else ""
+
+
+def gpu_measured(r: Report) -> dict[str, tuple[float, str]]:
+    """What the GPU check measured (``metrics/gpu/gpu_check.json``, committed from a lent GPU): configuration ->
+    (the baseline's measured peak over the configuration's, the GPU's name). Empty where it has not run."""
+    path = r.root / GPU_CHECK
+    if not path.exists():
+        return {}
+    g = json.loads(path.read_text())
+    if g.get("dry"):
+        return {}
+    mem = {m["configuration"]: m["measured_mib"] for m in g["memory"]}
+    return {k: (mem["baseline"] / v, g["device"]) for k, v in mem.items()} if "baseline" in mem else {}
+
+
+def gpu_cell(task: str, config: str, gpu: dict[str, tuple[float, str]]) -> str:
+    """The headline's GPU column: the measured reduction and the GPU, or why there is none."""
+    if task == "dynamicconv":
+        return "not measurable (no fairseq on the GPU check)"
+    if config in gpu:
+        return f"{gpu[config][0]:.2f}x measured ({gpu[config][1]})"
+    return "not measured"
 
 
 def headline_caption(r: Report) -> str:
-    """The caption of ``headline``: where the paper's numbers and ours come from."""
-    return (f"The paper's numbers: {r.reference['citation']} (lowmem/studies/paper_reference.yaml). Ours: `dvc repro` "
-            "at the profile named in each row; memory accounted at the paper's full size, quality measured at that "
-            f"profile, with its 95% interval (low, high). {frontier.rules_text()}")
+    """The caption of ``headline``: where the paper's numbers and ours come from, each task's setting, the tests that
+    make a row exact, and what update-freq is."""
+    c = comparison(r)
+    settings = "; ".join(f"**{TASK_NAMES.get(t, t)}**: {g.our_setting.iloc[0]}" for t, g in c.groupby("task", sort=False))
+    tests = sorted({known.tests_of(q) for q in c.get("our_from", []) if known.tests_of(q)})
+    batching = (" **update-freq-k** is fairseq's `--update-freq k` at `--max-tokens` / k: a different batching of the "
+                "corpus (other sentences and tokens per update), not microbatching of the baseline's batches; its "
+                "quality change is that batching's." if c.our_config.astype(str).str.contains("update-freq").any() else "")
+    return (f"Paper: {r.reference['citation']} (lowmem/studies/paper_reference.yaml). Ours: memory reduction "
+            "accounted at the paper's full size; quality change paired against the baseline at the profile below, "
+            "with its 95% interval and its half-width (±), or exact. How known: **measured** (the row's own runs), "
+            "**exact by test** (it differs from the baseline only by checkpointing, bit-equal by test, so it is the "
+            "baseline compared with itself), or **carried** (it takes the named run's quality, the lever that differs "
+            f"being exact by test). Tests: {'; '.join(tests) or 'none'}. **not resolved**: within budget by the mean "
+            "rule, but the interval is wider than twice the budget. On a GPU: the baseline's measured peak over the "
+            f"configuration's, from the GPU check (`{GPU_CHECK}`).{batching} Settings: {settings}. "
+            f"{frontier.rules_text()} Every column: figures/00_headline_full.md.")
 
 
 def reading(r: Report) -> str:
@@ -184,4 +264,5 @@ def reading(r: Report) -> str:
 
 def tables(r: Report) -> dict[str, tuple[pd.DataFrame, str]]:
     """The tables the report writes under figures/, by file name (no suffix): (rounded table, caption)."""
-    return {"00_headline": (headline(r).round(2), headline_caption(r))}
+    return {"00_headline": (headline(r), headline_caption(r)),
+            "00_headline_full": (headline_full(r).round(2), headline_caption(r))}

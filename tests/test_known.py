@@ -1,0 +1,82 @@
+"""How each headline and budget row's quality is known, and what its interval resolves (lowmem.studies.known), and
+the headline's GPU column (lowmem.studies.report)."""
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from lowmem.studies import known, report
+
+ROOT = Path(__file__).parents[1]
+T = "tests/test_checkpoint.py::test_x"
+
+
+@pytest.mark.parametrize("source, kind", [
+    ("stage combination_wrn@4", "measured"),
+    ("stage levers_train, against its own baseline", "measured"),
+    (f"exact, by test {T}: baseline's runs", "exact by test"),
+    (f"exact, by test {T}: microbatch-16's runs", "carried"),
+    (f"exact, by test {T}: update-freq-16's run", "carried"),
+    ("", "not trained"),
+])
+def test_each_source_is_measured_exact_or_carried(source: str, kind: str) -> None:
+    assert known.kind(source) == kind
+
+
+def test_a_carried_row_names_the_run_it_carries_and_where_that_run_was_trained() -> None:
+    d = known.detail(f"exact, by test {T}: update-freq-16's run", 1, {"update-freq-16": "stage translation_kahan_train"}, widened=True)
+    assert d == (f"carried from update-freq-16's run (stage translation_kahan_train; 1 seed, paired bootstrap widened by "
+                 f"the seed sd); the lever that differs is exact by test ({T})")
+    assert known.detail("stage combination_wrn@4", 3, {}) == "measured, 3 seeds (stage combination_wrn@4)"
+    assert known.tests_of(f"exact, by test {T}: baseline's runs") == T and known.tests_of("stage x") == ""
+
+
+def test_resolution_is_the_half_width_and_the_mean_rule_is_unresolved_past_twice_the_budget() -> None:
+    exact = f"exact, by test {T}: baseline's runs"
+    assert known.resolution(exact, 0.0, 0.0) == "exact"
+    assert known.resolution("stage s", -0.55, 0.23) == "±0.39"
+    assert known.resolution("stage s", math.nan, math.nan) == "no interval"
+    # 0.78 wide against a budget of 0.4: resolved; 0.82 wide: not; the interval rule is never marked.
+    assert known.verdict("mean", "stage s", -0.55, 0.23, 0.4) == "within budget"
+    assert known.verdict("mean", "stage s", -0.59, 0.23, 0.4) == "within budget; not resolved"
+    assert known.verdict("interval", "stage s", -0.1, 3.0, 0.4) == "within budget"
+    assert known.verdict("mean", exact, 0.0, 0.0, 0.4) == "within budget"
+    assert known.verdict("mean", "stage s", math.nan, math.nan, 0.4) == "within budget; not resolved"
+
+
+def test_the_committed_headline_says_how_each_row_is_known_and_what_it_resolves() -> None:
+    full = pd.read_csv(ROOT / "figures/00_headline_full.csv").to_dict("records")
+    short = pd.read_csv(ROOT / "figures/00_headline.csv")
+    assert len(short.columns) <= 8 and len(short) == len(full)
+    for f, s in zip(full, short.to_dict("records")):
+        budget = float(f["quality budget"].split(" ")[0])  # "0.4 (top-1 accuracy ...)"
+        width = f["ours: 95% high"] - f["ours: 95% low"]
+        exact = f["resolution"] == "exact"
+        assert exact == ("baseline's own runs" in f["how known"]), f
+        if not exact:
+            assert f["resolution"] == f"±{width / 2:.2f}" or abs(float(f["resolution"][1:]) - width / 2) <= 0.01, f
+        if abs(width - 2 * budget) > 0.02:  # the table's rounding cannot move the row across the line
+            unresolved = f["rule"] == "mean" and not exact and width > 2 * budget
+            assert f["verdict"] == ("within budget; not resolved" if unresolved else "within budget"), f
+            assert s["quality change [95%]"].endswith(": not resolved") == unresolved, s
+        assert s["how known"].split(",")[0].split(" ")[0] in ("measured", "exact", "carried"), s
+        assert s["how known"].split(" ")[0].rstrip(",") == f["how known"].split(" ")[0].rstrip(","), (s, f)
+        if f["task"] == "dynamicconv":
+            assert s["on a GPU"] == "not measurable (no fairseq on the GPU check)"
+
+
+def test_the_gpu_column_is_the_measured_baseline_over_the_configuration(tmp_path: Path) -> None:
+    (tmp_path / "metrics" / "gpu").mkdir(parents=True)
+    g = {"dry": False, "device": "GPU X", "memory": [{"configuration": "baseline", "measured_mib": 600.0},
+                                                      {"configuration": "checkpoint-block", "measured_mib": 480.0}]}
+    (tmp_path / "metrics" / "gpu" / "gpu_check.json").write_text(json.dumps(g))
+    r = report.Report(root=tmp_path, metrics={}, reference={})
+    gpu = report.gpu_measured(r)
+    assert report.gpu_cell("wrn", "checkpoint-block", gpu) == "1.25x measured (GPU X)"
+    assert report.gpu_cell("wrn", "microbatch-8", gpu) == "not measured"
+    assert report.gpu_cell("dynamicconv", "checkpoint-block", gpu) == "not measurable (no fairseq on the GPU check)"
+    (tmp_path / "metrics" / "gpu" / "gpu_check.json").write_text(json.dumps({**g, "dry": True}))
+    assert report.gpu_measured(r) == {}  # a dry run's numbers are the CPU's, never a GPU's
