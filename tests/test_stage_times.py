@@ -61,3 +61,13 @@ def test_make_repro_refreshes_the_readme_and_docs_embedded_tables(tmp_path: Path
     (tmp_path / "docs" / "p.md").write_text(block.format("| a |\n|---|\n| 1 |"))
     assert stage_times.main(["--out", "figures/stage_times", "--", *_echo("Running stage 'a':\n")]) == 0
     assert (tmp_path / "docs" / "p.md").read_text() == block.format("| a |\n|---|\n| 2 |")
+
+
+def test_dvcs_warning_for_each_left_out_stage_becomes_one_line(capsys) -> None:
+    out = "WARNING: stage: 'm@0' is frozen. Its dependencies are not going to be reproduced.\nRunning stage 'a':\n" \
+          "WARNING: stage: 'm@1' is frozen. Its dependencies are not going to be reproduced.\nWARNING: something else\n"
+    rc, times = stage_times.timed(_echo(out))
+    printed = capsys.readouterr().out
+    assert rc == 0 and [s for s, _ in times] == ["a"]
+    assert "is frozen" not in printed and "WARNING: something else" in printed
+    assert "2 stage(s) left out of the default pipeline kept their committed results" in printed
