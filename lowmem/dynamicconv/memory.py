@@ -31,6 +31,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lowmem.dynamicconv.microbatch import part_sizes
 from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, StepFn, StorageFormat, account_step, dense
 from lowmem.memory.measure import measure_step
 from lowmem.techniques import precision, sharding, sparsity
@@ -118,7 +119,8 @@ def fairseq_step(
     shard: sharding.Sharding = sharding.Sharding(),
 ) -> tuple[StepFn, torch.nn.Module, Any, list[torch.Tensor]]:
     """One update as fairseq-train takes it for ``train_args`` (the recipe plus any technique's options): for each
-    of ``--update-freq`` k batches, criterion forward and backward (loss-scaled under --fp16); then gradients
+    of ``--update-freq`` k batches (each as the plugin's ``--microbatches`` sub-batches, one after the other, where
+    it is given), criterion forward and backward (loss-scaled under --fp16); then gradients
     divided by the tokens, and the optimizer step. The update sees ``tokens`` tokens in k batches of
     ``tokens // k // length`` sentence pairs of ``length`` tokens each side. Returns (step, model, optimizer view,
     batch tensors). fairseq's gradient-norm computation (--clip-norm 0: logging only, one scalar per parameter)
@@ -132,6 +134,9 @@ def fairseq_step(
     batch = tokens // k // length
     if not 0 < length <= tokens or batch < 1:
         raise ValueError(f"{tokens} tokens in --update-freq {k} batches of sentences of length {length} leave no sentence per batch")
+    # The plugin's exact microbatching runs each batch as sub-batches of its own sentences, one at a time.
+    m = getattr(cfg.task, "microbatches", 1)
+    parts = [len(p) for p in part_sizes([length] * batch, tokens // k // m, m)] if m > 1 else [batch]
     torch.manual_seed(seed)
     model, task = build(args, src_vocab, tgt_vocab, device)  # the options parsed above, not parsed again
     if cfg.common.fp16:
@@ -152,14 +157,14 @@ def fairseq_step(
         optimizer._optimizer = sharding.optimizer(model, shard, type(inner), accounting=True, **inner.defaults)
     nspecial = task.target_dictionary.nspecial
     samples, inputs = [], []
-    for _ in range(k):
+    for n in [p for _ in range(k) for p in parts]:
         with torch.device(device):
-            src = torch.randint(nspecial, src_vocab, (batch, length))
-            tgt = torch.randint(nspecial, tgt_vocab, (batch, length))
-            src_lengths = torch.full((batch,), length)
+            src = torch.randint(nspecial, src_vocab, (n, length))
+            tgt = torch.randint(nspecial, tgt_vocab, (n, length))
+            src_lengths = torch.full((n,), length)
         prev = torch.cat([torch.full_like(tgt[:, :1], task.target_dictionary.eos()), tgt[:, :-1]], dim=1)
         samples.append({"net_input": {"src_tokens": src, "src_lengths": src_lengths, "prev_output_tokens": prev},
-                        "target": tgt, "ntokens": batch * length, "nsentences": batch})
+                        "target": tgt, "ntokens": n * length, "nsentences": n})
         inputs += [src, tgt, prev, src_lengths]
 
     def step(mark: Any) -> None:

@@ -7,7 +7,9 @@ fairseq already has two of the levers, and they are used as they are:
 - low precision: ``--fp16`` (fp16 weights and activations, fp32 master weights in the optimizer; CUDA only in
   fairseq 0.12), ``--memory-efficient-fp16`` (no fp32 copy; fairseq's Adam keeps its state in fp32), ``--amp``
   (torch's CUDA autocast; a no-op on CPU). fairseq 0.12's ``--bf16`` means TPU and does not run elsewhere;
-- microbatching: ``--update-freq k`` with ``--max-tokens T/k`` (gradients accumulated over k batches).
+- gradient accumulation: ``--update-freq k`` (k batches per update). With ``--max-tokens T/k`` it is not an exact
+  microbatching of the baseline's update: fairseq forms other, smaller batches, with other sentences, padding and
+  tokens per update. The task's ``--microbatches k`` (below) is the exact lever.
 
 fairseq 0.12 has no 16-bit training on the CPU: ``--fp16`` builds its fp32 copy on CUDA, ``--memory-efficient-fp16``
 calls ``.cuda()`` at the first overflow, and ``--bf16`` turns on ``--tpu``. So the plugin adds bf16 as a model
@@ -40,6 +42,11 @@ Also beyond the paper, ``--optimizer lowmem_adamw_kahan`` (torch-optimi's AdamW)
 half-bf16``, a bf16 Kahan compensation per weight, so that updates smaller than bf16's spacing are not rounded away:
 all-bf16 without the rounding loss, at one more bf16 copy of the weights.
 
+Microbatching, exactly: ``--microbatches k`` splits each batch that ``--max-tokens`` forms into sub-batches of its
+own sentences, each at most max-tokens/k tokens with its padding, and accumulates them into the same update.
+DynamicConv normalizes with LayerNorm, which has no batch statistics, so with dropout off the gradient is the whole
+batch's up to the order of the sums; with dropout on, the masks are other draws from the same distribution.
+
 DSR rewires after optimizer steps, which a model cannot see, so ``lowmem_translation`` is fairseq's translation
 task with ``optimizer_step`` extended by one call. DSR's state (threshold, step, random stream) travels in the
 model's state dict, so fairseq's own checkpoints resume it.
@@ -47,14 +54,17 @@ model's state dict, so fairseq's own checkpoints resume it.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import functools
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from fairseq.logging import metrics
 from fairseq.models import register_model, register_model_architecture
 from fairseq.models.lightconv import LightConvModel, lightconv_iwslt_de_en
 from fairseq.modules.checkpoint_activations import checkpoint_wrapper
@@ -63,6 +73,7 @@ from fairseq.optim.adam import FairseqAdamConfig
 from fairseq.tasks import register_task
 from fairseq.tasks.translation import TranslationConfig, TranslationTask
 
+from lowmem.dynamicconv.microbatch import part_sizes, split_batch
 from lowmem.techniques import compress, optimizers, sparse_linear, sparsity
 
 ARCH = "lowmem_lightconv_iwslt_de_en"
@@ -228,9 +239,68 @@ def lowmem_lightconv_iwslt_de_en(args: Any) -> None:
     lightconv_iwslt_de_en(args)
 
 
-@register_task(TASK, dataclass=TranslationConfig)
+def _whole_number_at_least_1(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return k
+
+
+# make_dataclass, not a class statement: fairseq builds the parser from the fields' types, which this module's
+# postponed annotations would leave as strings.
+LowmemTranslationConfig = make_dataclass("LowmemTranslationConfig", [("microbatches", int, field(default=1, metadata={"help": (
+    "exact microbatching: each batch that --max-tokens forms runs forward and backward as sub-batches of whole "
+    "sentences, each of at most max-tokens/k tokens with its padding, accumulated into the same update: the "
+    "baseline's sentences and tokens, with one sub-batch's activations at a time, at the cost of k smaller "
+    "passes. Not --update-freq, which forms other batches from the corpus")}))], bases=(TranslationConfig,))
+
+
+@register_task(TASK, dataclass=LowmemTranslationConfig)
 class LowmemTranslationTask(TranslationTask):
-    """fairseq's translation task; after each optimizer step, the model's DSR rewires when its schedule says so."""
+    """fairseq's translation task with exact microbatching (``--microbatches k``); after each optimizer step, the
+    model's DSR rewires when its schedule says so."""
+
+    max_tokens: int | None = None  # the batches' --max-tokens, as get_batch_iterator receives it
+
+    @classmethod
+    def add_args(cls, parser: Any) -> None:
+        super().add_args(parser)
+        for action in parser._actions:  # the dataclass makes --microbatches an int; argparse also refuses k < 1
+            if action.dest == "microbatches":
+                action.type = _whole_number_at_least_1
+
+    def get_batch_iterator(self, dataset: Any, max_tokens: int | None = None, *args: Any, **kwargs: Any) -> Any:
+        k = self.cfg.microbatches
+        if k > 1 and dataset is self.datasets.get(self.cfg.train_subset):
+            if max_tokens is None:
+                raise ValueError("--microbatches splits batches of --max-tokens tokens: give --max-tokens")
+            # Refused before training, not at the batch that holds it.
+            longest = int(max(dataset.num_tokens_vec(np.arange(len(dataset)))))
+            part_sizes([longest], max_tokens // k, 1)
+            self.max_tokens = max_tokens
+        return super().get_batch_iterator(dataset, max_tokens, *args, **kwargs)
+
+    def train_step(self, sample: Any, model: Any, criterion: Any, optimizer: Any, update_num: int, ignore_grad: bool = False) -> Any:
+        k = self.cfg.microbatches
+        if k == 1 or not sample or self.max_tokens is None:
+            return super().train_step(sample, model, criterion, optimizer, update_num, ignore_grad)
+        parts = split_batch(sample, self.max_tokens // k, k, self.source_dictionary.pad(),
+                            self.cfg.left_pad_source, self.cfg.left_pad_target)
+        total, size, log = 0.0, 0, {"microbatch_short": int(sample["nsentences"] < k)}
+        for part in parts:  # one sub-batch's activations at a time; fairseq divides the summed gradients once
+            loss, n, out = super().train_step(part, model, criterion, optimizer, update_num, ignore_grad)
+            total, size = total + loss.detach(), size + n
+            for key, v in out.items():
+                log[key] = log.get(key, 0) + v
+        return total, size, log
+
+    def reduce_metrics(self, logging_outputs: Any, criterion: Any) -> None:
+        super().reduce_metrics(logging_outputs, criterion)
+        if self.cfg.microbatches > 1:  # batches with fewer sentences than k, split one sentence at a time
+            metrics.log_scalar_sum("microbatch_short", sum(out.get("microbatch_short", 0) for out in logging_outputs))
 
     def optimizer_step(self, optimizer: Any, model: Any, update_num: int) -> None:
         super().optimizer_step(optimizer, model, update_num)
