@@ -71,3 +71,26 @@ def test_dvcs_warning_for_each_left_out_stage_becomes_one_line(capsys) -> None:
     assert rc == 0 and [s for s, _ in times] == ["a"]
     assert "is frozen" not in printed and "WARNING: something else" in printed
     assert "2 stage(s) left out of the default pipeline kept their committed results" in printed
+
+
+CPUINFO = "model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx avx2 fma\n"
+
+
+def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp_path: Path) -> None:
+    assert stage_times.cpu_class(CPUINFO) == "AMD EPYC 7B13 (AVX2)"
+    assert stage_times.cpu_class(CPUINFO.replace("avx2", "avx2 avx512f avx512_bf16")) == "AMD EPYC 7B13 (AVX-512, bf16)"
+    assert stage_times.cpu_class(CPUINFO.replace("avx2", "avx2 avx512f amx_bf16")) == "AMD EPYC 7B13 (AVX-512, AMX)"
+    table = tmp_path / "t"
+    pd.DataFrame([{"stage": "a", "seconds": 5.0, "measured": "2026-01-01", "profile": "cpu"}]).to_csv(table.with_suffix(".csv"), index=False)
+    t = stage_times.update(table, [("a", 9.0), ("b", 2.0)], "cpu", ok=True, cpu="X (AVX2)", made_by="abc1234")
+    t.to_csv(table.with_suffix(".csv"), index=False)
+    t = stage_times.update(table, [("a", 4.0)], "cpu", ok=True, cpu="Y (AVX-512)", made_by="def5678")
+    shown = stage_times.by_cpu(t)
+    assert sorted(c for c in shown.columns if c.startswith("seconds")) == [
+        "seconds: X (AVX2)", "seconds: Y (AVX-512)", "seconds: not recorded"]
+    a = shown.set_index("stage").loc["a"]
+    assert (a["seconds: X (AVX2)"], a["seconds: Y (AVX-512)"], a["seconds: not recorded"], a["commit"]) == (9.0, 4.0, 5.0, "def5678")
+    b = shown.set_index("stage").loc["b"]
+    assert b["seconds: X (AVX2)"] == 2.0 and pd.isna(b["seconds: Y (AVX-512)"]) and b["commit"] == "abc1234"
+    line = stage_times.summary(2, 1.5, "cpu", "X (AVX2)", "abc1234", True)
+    assert line == "Latest `make repro`: 2 stage(s) in 1.5 min at profile `cpu` on X (AVX2), 2 cores, from commit abc1234.\n"

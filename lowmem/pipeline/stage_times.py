@@ -92,14 +92,57 @@ def timed(cmd: list[str]) -> tuple[int, list[tuple[str, float]]]:
     return rc, [(name, round(e - t, 1)) for (name, t), e in zip(starts, ends)]
 
 
-def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool) -> pd.DataFrame:
+def cpu_class(cpuinfo: str | None = None) -> str:
+    """The CPU as the budgets tell machines of this kind apart: its model and its widest vector instructions
+    (AMX, AVX-512 or AVX2; bf16 training is about 30x slower without AVX-512's bf16 or AMX)."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "unknown CPU")
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
+    isa = ("AVX-512, AMX" if "amx_bf16" in flags else "AVX-512, bf16" if "avx512_bf16" in flags
+           else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{model} ({isa})"
+
+
+def commit() -> str:
+    """The checkout's commit, with ``+changes`` where tracked files differ from it: what made the figures."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "not a git checkout"
+    dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True).returncode != 0
+    return head.stdout.strip() + ("+changes" if dirty else "")
+
+
+def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool, cpu: str = "not recorded",
+           made_by: str = "not recorded") -> pd.DataFrame:
+    """The stage-time table with this run's times: one row per stage and CPU class, the latest of each kept."""
     old = pd.read_csv(table.with_suffix(".csv")) if table.with_suffix(".csv").exists() else pd.DataFrame()
+    for col in ("cpu", "commit"):
+        if len(old) and col not in old:
+            old[col] = "not recorded"  # rows from before the table named them
     today = time.strftime("%Y-%m-%d")
-    new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile} for s, t in times])
+    new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile, "cpu": cpu, "commit": made_by}
+                        for s, t in times])
     if not ok and len(new):
         new = new.iloc[:-1]  # the stage that failed did not finish: its time is not a stage time
-    merged = pd.concat([old[~old.stage.isin(new.stage)] if len(old) else old, new], ignore_index=True)
-    return merged
+    if len(old) and len(new):
+        old = old[~(old.stage.isin(new.stage) & (old.cpu == cpu))]
+    return pd.concat([old, new], ignore_index=True)
+
+
+def summary(stages: int, minutes: float, profile: str, cpu: str, made_by: str, ok: bool) -> str:
+    """The latest run in one line, for the README (embedded by ``lowmem.pipeline.docs``)."""
+    return (f"{'Latest' if ok else 'Latest (failed)'} `make repro`: {stages} stage(s) in {minutes:.1f} min at profile "
+            f"`{profile}` on {cpu}, 2 cores, from commit {made_by}.\n")
+
+
+def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
+    """The table as it is shown: one row per stage, its seconds on each CPU class measured, and the commit, date
+    and profile of its latest run."""
+    order = list(dict.fromkeys(table.stage))
+    seconds = table.pivot_table(index="stage", columns="cpu", values="seconds", aggfunc="last").reindex(order)
+    latest = table.groupby("stage", sort=False).last()[["commit", "measured", "profile"]].reindex(order)
+    return pd.concat([seconds.rename(columns=lambda c: f"seconds: {c}"), latest], axis=1).reset_index()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,17 +155,22 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     profile = yaml.safe_load(args.params.read_text())["base"]["profile"]
     t0 = time.monotonic()
+    made_by = commit()  # before the run: what the stages ran from
     if args.all and "--" in argv:
         ap.error("--all runs its own commands (the default pipeline, then the left-out stages forced); give no -- CMD")
     rc, times = timed_all() if args.all else timed(cmd)
     cmd = ["make", "repro-all"] if args.all else cmd
     if times:
-        table = update(args.out, times, profile, rc == 0)
+        cpu = cpu_class()
+        table = update(args.out, times, profile, rc == 0, cpu, made_by)
         total = sum(t for _, t in times)
-        outputs.save_table(table, args.out, f"Wall time of each DVC stage the last time it ran (`make repro`, "
-                                             f"{' '.join(cmd)}), 2 CPU cores unless stated; the time of a stage includes "
-                                             f"DVC's hashing of its outputs. Latest run: {len(times)} stage(s), "
-                                             f"{total / 60:.1f} min, profile `{profile}`.")
+        outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
+                           f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
+                           f"of its outputs; commit: the checkout that made the stage's figures (+changes: with "
+                           f"uncommitted changes). Latest run: {len(times)} stage(s), {total / 60:.1f} min, profile "
+                           f"`{profile}`, on {cpu}.")
+        table.to_csv(args.out.with_suffix(".csv"), index=False)  # the long table, one row per stage and CPU class
+        Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, made_by, rc == 0))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
     # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
     changed = [p for p in docs.pages(Path(".")) if docs.refresh(p, Path("."))]
