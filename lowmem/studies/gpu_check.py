@@ -9,8 +9,9 @@ timeout still leaves what was done:
 
 1. Memory. WRN-28-2 at B = 128 (params.yaml's ``memory_profile`` block), one real step on CUDA for the baseline
    and each lever that runs there: every precision mode, microbatches of 8 and 1, every checkpoint strategy of
-   ``checkpointing.strategies``, sparsity 0.9, and three combinations (the README headline's configuration, the
-   strongest trained level and the grid's largest accounted reduction, read from the combination study's files).
+   ``checkpointing.strategies``, sparsity 0.9, and the combinations of the combination study's files: the
+   headline's configuration, the strongest trained level, the grid's largest accounted reduction, and every WRN
+   row of the committed headline (``figures/00_headline_full.csv``) and budget table (``figures/09_wrn_budgets.csv``).
    Each gets ``torch.cuda.max_memory_allocated`` against the accountant's peak on the meta device, and against the
    accountant plus a CUDA workspace model: each op's scratch memory measured once per call signature, the way
    ``lowmem.memory.measure.CPUWorkspace`` does for the CPU.
@@ -140,8 +141,8 @@ def _named(c: Check, config: dict[str, Any]) -> Techniques:
                       activation_bits=t.get("activation_bits", 0), optimizer=t.get("optimizer", "sgd"))
 
 
-def combinations(root: Path = ROOT) -> list[tuple[str, dict[str, Any]]]:
-    """(role, configuration) of the three combinations: the headline's (best within the paper's budget), the
+def combinations(root: Path = ROOT) -> list[tuple[str, str, dict[str, Any]]]:
+    """(role, the sweep's name, configuration) of the combinations: the headline's (best within the paper's budget), the
     strongest trained level and the grid's largest accounted reduction, from the combination study's files."""
     sweep = {r["name"]: r for r in csv.DictReader((root / "data/combinations/wrn_sweep.csv").open())}
     paper = yaml.safe_load((root / "lowmem/studies/paper_reference.yaml").read_text())["tasks"]["wrn"]
@@ -156,7 +157,14 @@ def combinations(root: Path = ROOT) -> list[tuple[str, dict[str, Any]]]:
     largest = max(sweep.values(), key=lambda r: float(r["reduction"]))
     chosen = [("headline (best within the paper's budget, mean rule)", headline),
               (f"strongest trained ({strongest['role']})", strongest["name"]), ("largest accounted reduction", largest["name"])]
-    return [(role, json.loads(sweep[name]["config"])) for role, name in chosen]
+    # Every WRN row of the committed headline and of the budget table, so the headline's GPU column can be filled.
+    for path, col, label in ((root / "figures/00_headline_full.csv", "our configuration", "headline"),
+                             (root / "figures/09_wrn_budgets.csv", "name", "budget")):
+        rows = list(csv.DictReader(path.open())) if path.exists() else []
+        chosen += [(f"{label} ({r.get('levers', 'budget ' + r.get('budget', ''))}, {r['rule']} rule)", r[col])
+                   for r in rows if r.get("task", "wrn") == "wrn" and r[col] in sweep]
+    seen: set[str] = set()
+    return [(role, name, json.loads(sweep[name]["config"])) for role, name in chosen if not (name in seen or seen.add(name))]
 
 
 def configurations(c: Check, root: Path = ROOT) -> list[tuple[str, str, Techniques]]:
@@ -167,17 +175,15 @@ def configurations(c: Check, root: Path = ROOT) -> list[tuple[str, str, Techniqu
     out += [(f"microbatch-{b}", "microbatching", Techniques(microbatch=b)) for b in (8, 1)]
     out += [(f"checkpoint-{s}", "checkpointing", Techniques(checkpoint=s)) for s in c.strategies]
     out += [("sparsity-0.9", "sparsity", Techniques(sparsity=0.9))]
-    for role, cfg in combinations(root):
-        t = _named(c, cfg)
-        name = "+".join(f"{k}-{v}" if k != "precision" else str(v) for k, v in cfg.items())
-        out.append((name, role, t))
+    for role, name, cfg in combinations(root):
+        out.append((name, role, _named(c, cfg)))
     if c.dry:  # one configuration per code path (lever, mixed and half precision, a combination) runs every path;
-        # all of them would take minutes on 2 CPU cores
+        # all of them would take minutes on 2 CPU cores. The headline's and budget table's rows all run.
         singles = ("baseline", "microbatching", "checkpointing", "sparsity")
         first: dict[str, tuple[str, str, Techniques]] = {}
         for row in out:
             kind = row[1] if row[1] in singles else row[0].split("-")[0] if row[1] == "precision" else "combination"
-            first.setdefault(kind, row)
+            first.setdefault(row[0] if row[1].startswith(("headline", "budget")) else kind, row)
         out = list(first.values())
     return out
 
