@@ -494,8 +494,8 @@ def _quality_sources_wrn(grid: pd.DataFrame, rows: pd.DataFrame, metrics_dir: Pa
     source = grid.set_index("name").quality_from
     studies = []
     for q in rows.quality_from:
-        twin = re.search(r": (.+)'s runs?$", q) if q.startswith("exact") else None
-        q = source.get(twin.group(1), q) if twin else q
+        twin = known.twin_of(q)
+        q = source.get(twin, q) if twin else q
         stage = re.match(r"stage (levers\w*), against its own baseline", q)
         studies.append(stage.group(1) if stage else "combination_wrn")
     machines = {s: _machine(metrics_dir, "wrn") if s == "combination_wrn"

@@ -56,6 +56,12 @@ def tests_of(quality_from: str) -> str:
     return m["tests"] if m else ""
 
 
+def twin_of(quality_from: str) -> str:
+    """The configuration whose run an exact or carried row takes its quality from ("" for a measured row)."""
+    m = EXACT_TWIN.match(quality_from) if isinstance(quality_from, str) else None
+    return m["twin"] if m else ""
+
+
 def half_width(low: float, high: float) -> float:
     return (high - low) / 2 if not (math.isnan(low) or math.isnan(high)) else math.nan
 

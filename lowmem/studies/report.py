@@ -170,13 +170,13 @@ def headline(r: Report) -> pd.DataFrame:
             quality = change
         if found and getattr(row, "our_verdict", "").endswith("not resolved"):
             quality += ": not resolved"
-        known = {"measured": f"measured, {int(row.our_n)} seed{'s' if row.our_n > 1 else ''}",
-                 "carried": f"carried from {_twin(row.our_from)}'s run", "exact by test": "exact by test",
+        how = {"measured": f"measured, {int(row.our_n)} seed{'s' if row.our_n > 1 else ''}",
+                 "carried": f"carried from {known.twin_of(row.our_from)}'s run", "exact by test": "exact by test",
                  }.get(getattr(row, "our_how_known", ""), "") if found else ""
         rows.append({"task": TASK_NAMES.get(row.task, row.task), "levers": LEVER_NAMES.get(row.levers, row.levers),
                      "rule": row.rule, "paper": f"{row.paper_reduction:g}x at {row.paper_change:g}",
                      "ours": f"{row.our_reduction:.2f}x: {row.our_config}" if found else row.our_config,
-                     "quality change [95%]": quality, "how known": known,
+                     "quality change [95%]": quality, "how known": how,
                      "on a GPU": gpu_cell(row.task, row.our_config, gpu)})
     return pd.DataFrame(rows)
 
@@ -184,11 +184,6 @@ def headline(r: Report) -> pd.DataFrame:
 TASK_NAMES = {"wrn": "WRN", "dynamicconv": "DynamicConv"}
 LEVER_NAMES = {frontier.LEVERS_PAPER: "paper's", frontier.LEVERS_BEYOND: "+ beyond"}
 GPU_CHECK = Path("metrics/gpu/gpu_check.json")
-
-
-def _twin(quality_from: str) -> str:
-    m = known.EXACT_TWIN.match(quality_from) if isinstance(quality_from, str) else None
-    return m["twin"] if m else ""
 
 
 def gpu_measured(r: Report) -> dict[str, tuple[float, str]]:
