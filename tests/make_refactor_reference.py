@@ -23,8 +23,8 @@ except ImportError:  # the flat layout before it
     from lowmem.config import BaselineParams  # type: ignore[no-redef]
     from lowmem.train import Techniques, train  # type: ignore[no-redef]
 
-BASE = {"dataset": "synthetic", "model": "wrn-10-1", "epochs": 2, "batch_size": 32, "train_subset": 256,
-        "test_subset": 128, "device": "cpu"}
+BASE = {"dataset": "synthetic", "model": "wrn-10-1", "epochs": 2, "batch_size": 32, "train_subset": 128,
+        "test_subset": 64, "device": "cpu"}
 CONFIGS = {
     "baseline": {},
     "dsr-0.9": {"sparsity": 0.9, "dsr_periods": (2, 2, 2, 2)},

@@ -113,6 +113,28 @@ def commit() -> str:
     return head.stdout.strip() + ("+changes" if dirty else "")
 
 
+def frozen_origins(dvc_yaml: Path = Path("dvc.yaml")) -> pd.DataFrame:
+    """Each left-out stage with the commit that last wrote its committed outputs (``git log``): what made its results,
+    since ``make repro`` never runs it. The CPU of those runs was not recorded before this table existed."""
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    rows = []
+    for name in left_out(dvc_yaml):
+        s = stages[name]
+        outs = [next(iter(o)) if isinstance(o, dict) else o for o in s.get("outs", []) + s.get("metrics", [])]
+        outs = [o.replace("${item.slot}", "*") for o in outs]
+        log = subprocess.run(["git", "log", "-1", "--format=%h %ad", "--date=short", "--", *outs], capture_output=True,
+                             text=True).stdout.split()
+        rows.append({"stage": name, "outputs": ", ".join(outs), "commit": log[0] if log else "not committed",
+                     "committed": log[1] if log else ""})
+    return pd.DataFrame(rows)
+
+
+def write_frozen(out: Path) -> None:
+    outputs.save_table(frozen_origins(), out, "The stages left out of `make repro` (frozen in dvc.yaml): their "
+                       "results are committed, made by the commit that last wrote them (git log of their outputs); "
+                       "`make repro-all` reruns them.")
+
+
 def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool, cpu: str = "not recorded",
            made_by: str = "not recorded") -> pd.DataFrame:
     """The stage-time table with this run's times: one row per stage and CPU class, the latest of each kept."""
@@ -171,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"`{profile}`, on {cpu}.")
         table.to_csv(args.out.with_suffix(".csv"), index=False)  # the long table, one row per stage and CPU class
         Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, made_by, rc == 0))
+        write_frozen(Path(f"{args.out}_frozen"))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
     # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
     changed = [p for p in docs.pages(Path(".")) if docs.refresh(p, Path("."))]
