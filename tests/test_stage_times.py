@@ -28,6 +28,22 @@ def test_a_stage_runs_from_its_start_line_to_the_next() -> None:
     assert [n for n, _ in times] == ["a", "m@0"]
 
 
+def test_each_stage_is_reported_as_it_finishes_so_a_stopped_run_keeps_them(tmp_path: Path) -> None:
+    # The command waits, after b starts, for the file that a's report writes: it exits 1 if a was reported only at
+    # the end.
+    flag = tmp_path / "a-reported"
+    script = (f"import pathlib, sys, time; print(\"Running stage 'a':\", flush=True); print(\"Running stage 'b':\", flush=True)\n"
+              f"for _ in range(100):\n    time.sleep(0.1)\n    if pathlib.Path({str(flag)!r}).exists(): sys.exit(0)\nsys.exit(1)")
+    reported: list[str] = []
+
+    def done(stage: str, seconds: float) -> None:
+        reported.append(stage)
+        flag.write_text(stage)
+
+    rc, times = stage_times.timed([sys.executable, "-c", script], done)
+    assert rc == 0 and reported == ["a"] and [n for n, _ in times] == ["a", "b"]
+
+
 def test_the_failed_stage_gets_no_time_and_older_times_are_kept(tmp_path: Path) -> None:
     table = tmp_path / "t"
     pd.DataFrame([{"stage": "old", "seconds": 5.0, "measured": "2026-01-01", "profile": "cpu"}]).to_csv(table.with_suffix(".csv"), index=False)

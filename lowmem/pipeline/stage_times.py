@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -33,6 +34,7 @@ from lowmem.pipeline import docs, outputs
 
 STARTED = re.compile(r"^Running stage '([^']+)':")
 FROZEN = re.compile(r"^    frozen: true\b.*\n", re.MULTILINE)
+Done = Callable[[str, float], None]
 FROZEN_WARNING = re.compile(r"^WARNING: stage: '[^']+' is frozen\. Its dependencies are not going to be reproduced\.$")
 
 
@@ -47,22 +49,22 @@ def repro_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[list[list[str]], list[
     return [["dvc", "repro"]], [["dvc", "repro", "--force", "--single-item", *left_out(dvc_yaml)], ["dvc", "repro"]]
 
 
-def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
+def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
     """Runs ``timed(cmd)`` with dvc.yaml's frozen marks removed; dvc.yaml is restored even on an interrupt."""
     text = dvc_yaml.read_text()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs on a plain kill too
     dvc_yaml.write_text(FROZEN.sub("", text))
     try:
-        return timed(cmd)
+        return timed(cmd, done)
     finally:
         dvc_yaml.write_text(text)
 
 
-def timed_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, float]]]:
+def timed_all(dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
     """Runs ``repro_all``'s commands in turn, stopping at the first that fails."""
     plain, thawed = repro_all(dvc_yaml)
     times: list[tuple[str, float]] = []
-    for cmd, run in [*((c, timed) for c in plain), *((c, lambda c: unfrozen(c, dvc_yaml)) for c in thawed)]:
+    for cmd, run in [*((c, lambda c: timed(c, done)) for c in plain), *((c, lambda c: unfrozen(c, dvc_yaml, done)) for c in thawed)]:
         rc, t = run(cmd)
         times += t
         if rc != 0:
@@ -70,8 +72,10 @@ def timed_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[int, list[tuple[str, f
     return 0, times
 
 
-def timed(cmd: list[str]) -> tuple[int, list[tuple[str, float]]]:
-    """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) in the order they ran."""
+def timed(cmd: list[str], done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
+    """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) in the order they ran.
+    ``done(stage, seconds)`` is called as each stage finishes (the next one starts), so that a run stopped midway
+    keeps the times of the stages it finished."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     starts: list[tuple[str, float]] = []
@@ -83,6 +87,8 @@ def timed(cmd: list[str]) -> tuple[int, list[tuple[str, float]]]:
         sys.stdout.write(line)
         m = STARTED.match(line)
         if m:
+            if starts and done:
+                done(starts[-1][0], round(time.monotonic() - starts[-1][1], 1))
             starts.append((m.group(1), time.monotonic()))
     rc = proc.wait()
     if frozen:
@@ -180,18 +186,29 @@ def main(argv: list[str] | None = None) -> int:
     made_by = commit()  # before the run: what the stages ran from
     if args.all and "--" in argv:
         ap.error("--all runs its own commands (the default pipeline, then the left-out stages forced); give no -- CMD")
-    rc, times = timed_all() if args.all else timed(cmd)
     cmd = ["make", "repro-all"] if args.all else cmd
-    if times:
-        cpu = cpu_class()
-        table = update(args.out, times, profile, rc == 0, cpu, made_by)
-        total = sum(t for _, t in times)
+    cpu = cpu_class()
+
+    def save(times: list[tuple[str, float]], ok: bool) -> pd.DataFrame:
+        table = update(args.out, times, profile, ok, cpu, made_by)
         outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
                            f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
                            f"of its outputs; commit: the checkout that made the stage's figures (+changes: with "
-                           f"uncommitted changes). Latest run: {len(times)} stage(s), {total / 60:.1f} min, profile "
-                           f"`{profile}`, on {cpu}.")
+                           f"uncommitted changes). Latest run: {len(times)} stage(s), {sum(t for _, t in times) / 60:.1f} "
+                           f"min, profile `{profile}`, on {cpu}.")
         table.to_csv(args.out.with_suffix(".csv"), index=False)  # the long table, one row per stage and CPU class
+        return table
+
+    finished: list[tuple[str, float]] = []
+
+    def done(stage: str, seconds: float) -> None:  # a run stopped midway keeps its finished stages' times
+        finished.append((stage, seconds))
+        save(finished, True)
+
+    rc, times = timed_all(done=done) if args.all else timed(cmd, done)
+    if times:
+        save(times, rc == 0)
+        total = sum(t for _, t in times)
         Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, made_by, rc == 0))
         write_frozen(Path(f"{args.out}_frozen"))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
