@@ -20,6 +20,8 @@ T = "tests/test_checkpoint.py::test_x"
     (f"exact, by test {T}: baseline's runs", "exact by test"),
     (f"exact, by test {T}: microbatch-16's runs", "carried"),
     (f"exact, by test {T}: update-freq-16's run", "carried"),
+    (f"equal up to dropout draws, by test {T}: baseline's run", "equal up to dropout draws"),
+    (f"equal up to dropout draws, by test {T}: sparsity-0.9's run", "carried"),
     ("", "not trained"),
 ])
 def test_each_source_is_measured_exact_or_carried(source: str, kind: str) -> None:
@@ -32,6 +34,27 @@ def test_a_carried_row_names_the_run_it_carries_and_where_that_run_was_trained()
                  f"the seed sd); the lever that differs is exact by test ({T})")
     assert known.detail("stage combination_wrn@4", 3, {}) == "measured, 3 seeds (stage combination_wrn@4)"
     assert known.tests_of(f"exact, by test {T}: baseline's runs") == T and known.tests_of("stage x") == ""
+
+
+def test_a_row_equal_up_to_dropout_draws_is_never_exact_and_its_interval_is_resolved_like_a_measured_one() -> None:
+    q = f"equal up to dropout draws, by test {T}: baseline's run"
+    assert known.resolution(q, -0.81, 0.81) == "±0.81"  # two seeds' noise (frontier.widen_by_seed_noise), not "exact"
+    assert known.verdict("mean", q, -0.81, 0.81, 0.15) == "within budget; not resolved"
+    assert known.detail(q, 1, {}).startswith(f"equal up to dropout draws by test ({T})")
+    carried = known.detail(f"equal up to dropout draws, by test {T}: sparsity-0.9's run", 1, {"sparsity-0.9": "stage s"})
+    assert carried.endswith(f"the levers that differ are equal up to dropout draws or exact by test ({T})")
+
+
+def test_dropout_draws_are_two_seeds_noise_about_zero() -> None:
+    from scipy import stats
+
+    from lowmem.studies import quality
+
+    c = quality.dropout_draws(0.18, 4)
+    assert c.mean == 0 and c.low == -c.high
+    assert c.high == pytest.approx(stats.t.ppf(0.975, 3) * math.sqrt(2) * 0.18)
+    with pytest.raises(ValueError):
+        quality.dropout_draws(0.18, 1)
 
 
 def test_resolution_is_the_half_width_and_the_mean_rule_is_unresolved_past_twice_the_budget() -> None:
@@ -80,3 +103,19 @@ def test_the_gpu_column_is_the_measured_baseline_over_the_configuration(tmp_path
     assert report.gpu_cell("dynamicconv", "checkpoint-block", gpu) == "not measurable (no fairseq on the GPU check)"
     (tmp_path / "metrics" / "gpu" / "gpu_check.json").write_text(json.dumps({**g, "dry": True}))
     assert report.gpu_measured(r) == {}  # a dry run's numbers are the CPU's, never a GPU's
+
+
+def test_the_headline_shows_the_confirming_run_beside_a_row_carried_through_exact_microbatching(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    run = {"max_update": 1400, "seed": 0, "trained": [
+        {"technique": "baseline", "sacrebleu_change": 0.0, "sacrebleu_change_low": 0.0, "sacrebleu_change_high": 0.0},
+        {"technique": "microbatch-16+checkpoint", "sacrebleu_change": -1.25, "sacrebleu_change_low": -2.14, "sacrebleu_change_high": -0.43}]}
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / report.MICROBATCH_RUN).write_text(json.dumps(run))
+    r = SimpleNamespace(root=tmp_path)
+    carried = pd.DataFrame({"our_from": [f"equal up to dropout draws, by test {T}: baseline's run"]})
+    text = report.confirming(r, carried)
+    assert "microbatch-16+checkpoint -1.25 [-2.14, -0.43] sacreBLEU against its own baseline" in text
+    assert "1400 updates, seed 0" in text
+    assert report.confirming(r, pd.DataFrame({"our_from": ["stage combination_wrn@4"]})) == ""  # nothing carried so

@@ -52,12 +52,19 @@ def test_split_batch_trims_each_part_to_its_own_padding_and_keeps_every_token(da
         assert torch.equal(b["target"][rows][:, :tgt.size(1)], tgt) and b["target"][rows][:, tgt.size(1):].eq(pad).all()
 
 
+# The settings the frontier carries a twin's quality to microbatching in (lowmem.studies.quality_model.
+# EQUAL_UP_TO_DROPOUT_DYNAMICCONV): fp32 weights and gradients, dense or sparse, with fairseq's Adam or 8-bit moments
+# (the optimizer sees the same gradient). Not bf16 gradients, which sub-batches would accumulate in bf16.
+SETTINGS = {"fp32": [], "sparsity": ["--sparsity", "0.9"], "adamw-8bit": ["--optimizer", "lowmem_adamw8bit"]}
+
+
 @pytest.mark.slow
-def test_microbatches_give_the_gradients_of_the_whole_batch_with_dropout_off(data: Path) -> None:
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_microbatches_give_the_gradients_of_the_whole_batch_with_dropout_off(data: Path, setting: str) -> None:
     """The same sentences and tokens in one update: LayerNorm has no batch statistics, so only the order of the
     sums differs."""
-    one, task = trainer(data, [*NO_DROPOUT, "--max-tokens", "4000"])
-    four, task4 = trainer(data, [*NO_DROPOUT, "--max-tokens", "4000", "--microbatches", "4"])
+    one, task = trainer(data, [*NO_DROPOUT, *SETTINGS[setting], "--max-tokens", "4000"])
+    four, task4 = trainer(data, [*NO_DROPOUT, *SETTINGS[setting], "--max-tokens", "4000", "--microbatches", "4"])
     task4.get_batch_iterator(task4.dataset("train"), max_tokens=4000)  # what fairseq-train does before training
     sample = batch(task, list(range(24)))
     one.train_step([sample])

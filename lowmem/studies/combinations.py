@@ -82,7 +82,7 @@ class CombinationsParams:
     seed: int = 0
     sparsity: list[float] = field(default_factory=lambda: [0.0, 0.9])  # 0 = dense
     precision: list[str] = field(default_factory=lambda: ["fp32", "half-bf16"])
-    microbatch: list[int] = field(default_factory=lambda: [0, 8])  # WRN: examples per pass, 0 = whole batch; DynamicConv: --update-freq
+    microbatch: list[int] = field(default_factory=lambda: [0, 8])  # WRN: examples per pass, 0 = whole batch; DynamicConv: --microbatches
     checkpoint: list[str] = field(default_factory=lambda: ["none", "sqrt"])  # WRN strategies; DynamicConv: none or layers
     # Beyond the paper: bits of each activation saved for backward (lowmem.techniques.compress; DynamicConv: the
     # plugin's --activation-bits), 0 = as computed
@@ -252,7 +252,7 @@ def name(p: CombinationsParams, cfg: dict[str, Any]) -> str:
     if "precision" in cfg:
         parts.append(cfg["precision"])
     if "microbatch" in cfg:
-        parts.append(f"microbatch-{cfg['microbatch']}" if p.task == "wrn" else f"update-freq-{cfg['microbatch']}")
+        parts.append(f"microbatch-{cfg['microbatch']}")  # DynamicConv's too: the plugin's exact --microbatches
     if "checkpoint" in cfg:
         parts.append(f"checkpoint-{cfg['checkpoint']}" if p.task == "wrn" else "checkpoint")
     if "activation_bits" in cfg:  # named as stage levers_train's arms
@@ -593,8 +593,8 @@ def translation_options(p: CombinationsParams, cfg: dict[str, Any]) -> list[str]
                              f"nor a technique of translation_techniques.techniques ({', '.join(t['techniques'])})")
         args += list(t["techniques"][mode])
     k = cfg.get("microbatch", 1)
-    if k > 1:
-        args += ["--update-freq", str(k), "--max-tokens", str(t["max_tokens"] // k)]
+    if k > 1:  # the baseline's own batches in k sub-batches (not --update-freq, which forms other batches)
+        args += ["--microbatches", str(k)]
     if cfg.get("checkpoint"):
         args += ["--checkpoint-activations"]
     if cfg.get("activation_bits"):

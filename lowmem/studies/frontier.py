@@ -30,7 +30,8 @@ import yaml
 from matplotlib.figure import Figure
 
 from lowmem.studies import known, quality
-from lowmem.studies.quality_model import (EXACT, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, LEVERS_STAGES,
+from lowmem.studies.quality_model import (EQUAL_UP_TO_DROPOUT_DYNAMICCONV, EQUAL_UP_TO_DROPOUT_PRECISIONS, EXACT,
+                                          EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, EXACT_MICROBATCH_OPTION, LEVERS_STAGES,
                                           OPTIONAL_DIMS, arm_change, beyond_paper, beyond_paper_rows, dims, paired_change,
                                           predict, selection, techniques_config)
 
@@ -78,23 +79,50 @@ def best_within(
     return pd.DataFrame(rows).reindex(columns=columns).reset_index(drop=True)
 
 
-def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, precisions: tuple[str, ...] | None = None) -> None:
+def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, precisions: tuple[str, ...] | None = None,
+                dropout: dict[str, str] | None = None, dropout_precisions: tuple[str, ...] = ()) -> None:
     """Quality for the untrained rows that differ from a trained one only by ``exact`` levers: that run's, with the
     test that makes it exact as its source. ``precisions``: the only precisions the test covers (None: all). With
     compressed activations checkpointing is not exact (what a segment recomputes is kept as computed, the plain
-    step's saved tensors packed), so those rows neither give nor take a twin's quality."""
-    lossy = [d for d in dims(task) if d not in exact]
+    step's saved tensors packed), so those rows neither give nor take a twin's quality.
+
+    ``dropout``: levers equal up to dropout draws (DynamicConv's exact microbatching), carried the same way on rows
+    whose options hold ``EXACT_MICROBATCH_OPTION`` in ``dropout_precisions``; such a row says so ("equal up to dropout
+    draws, by test ..."), and where its twin is the baseline its interval is left to ``widen_by_seed_noise``. A
+    microbatch setting of another kind (fairseq's --update-freq, another batching) is a lossy lever here."""
+    dropout = dropout or {}
+    lossy = [d for d in dims(task) if d not in exact and d not in dropout]
+
+    def carried(r: pd.Series) -> bool:
+        return EXACT_MICROBATCH_OPTION in str(r.get("options", "")) and r["precision"] in dropout_precisions
+
+    def key(r: pd.Series) -> tuple:
+        # Off, or equal up to dropout draws: any setting will do; else the setting and its kind must match.
+        return tuple(r[d] for d in lossy) + tuple(None if r[d] in (0, 1) or carried(r)
+                                                  else (r[d], EXACT_MICROBATCH_OPTION in str(r.get("options", ""))) for d in dropout)
+
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
     plain = (df.activation_bits == 0) if "activation_bits" in df else pd.Series(True, index=df.index)
     trained = trained[plain[trained.index]]
-    measured = {tuple(r[d] for d in lossy): r for _, r in trained.iterrows()}
+    measured: dict[tuple, pd.Series] = {}
+    for _, r in trained.iterrows():  # a twin without the dropout levers first: the same configuration, plainly trained
+        k = key(r)
+        if k not in measured or all(r[d] in (0, 1) for d in dropout):
+            measured[k] = r
     for i, r in df[df.quality_change.isna() & plain].iterrows():
-        twin = measured.get(tuple(r[d] for d in lossy))
-        if twin is not None:
-            cols = ["quality_change", "quality_low", "quality_high", "quality_n"]
-            df.loc[i, cols] = [twin[c] for c in cols]
+        twin = measured.get(key(r))
+        if twin is None:
+            continue
+        cols = ["quality_change", "quality_low", "quality_high", "quality_n"]
+        df.loc[i, cols] = [twin[c] for c in cols]
+        if any(r[d] != twin[d] for d in dropout):
+            tests = "; ".join([*dropout.values(), *exact.values()])
+            df.loc[i, "quality_from"] = f"equal up to dropout draws, by test {tests}: {twin['name']}'s run"
+            if twin["name"] == "baseline":  # the baseline against itself, but with other dropout draws: two seeds' noise
+                df.loc[i, ["quality_low", "quality_high"]] = [np.nan, np.nan]
+        else:
             df.loc[i, "quality_from"] = f"exact, by test {'; '.join(exact.values())}: {twin['name']}'s run{'s' if exact is EXACT else ''}"
 
 
@@ -170,7 +198,8 @@ def results(task: str, sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
                 r["time_ratio"], f"stage combination_dynamicconv@{r['slot']}"]
             profile.add(r["profile"])
         profile |= paper_arms_dynamicconv(df, metrics_dir, stage08["max_update"])
-        _exact_fill(df, task, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+        _exact_fill(df, task, EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, EQUAL_UP_TO_DROPOUT_DYNAMICCONV,
+                    EQUAL_UP_TO_DROPOUT_PRECISIONS)
     if len(profile) != 1:
         raise ValueError(f"{task}: the sweep and the trained runs come from different profiles {sorted(profile)}: rerun `dvc repro`")
     df["profile"] = profile.pop()
@@ -233,13 +262,18 @@ def dc_seed_noise(metrics_dir: Path, profile: str, updates: int) -> dict[str, An
 
 def widen_by_seed_noise(df: pd.DataFrame, noise: dict[str, Any] | None) -> pd.DataFrame:
     """DynamicConv's one-seed rows with their bootstrap interval widened by ``noise`` (``dc_seed_noise``;
-    ``quality.with_seed_noise``, which leaves a missing interval and the baseline's own run as they are)."""
+    ``quality.with_seed_noise``, which leaves a missing interval and the baseline's own run as they are); a row equal
+    to the baseline up to dropout draws gets two seeds' noise about zero (``quality.dropout_draws``)."""
     df = df.copy()
     if noise is None or df.empty:
         return df
+    draws = df.quality_from.map(known.kind) == known.DROPOUT if "quality_from" in df else pd.Series(False, index=df.index)
     for i in df.index[df.quality_n == 1]:
-        c = quality.with_seed_noise(quality.Paired(float(df.at[i, "quality_change"]), float(df.at[i, "quality_low"]),
-                                                   float(df.at[i, "quality_high"]), 1, np.nan), noise["sd"], noise["seeds"])
+        if draws[i]:  # the baseline with other dropout draws
+            c = quality.dropout_draws(noise["sd"], noise["seeds"])
+        else:
+            c = quality.with_seed_noise(quality.Paired(float(df.at[i, "quality_change"]), float(df.at[i, "quality_low"]),
+                                                       float(df.at[i, "quality_high"]), 1, np.nan), noise["sd"], noise["seeds"])
         df.loc[i, ["quality_low", "quality_high"]] = [c.low, c.high]
     return df
 
@@ -285,7 +319,8 @@ def beyond_rows_dynamicconv(sweep_dir: Path, metrics_dir: Path) -> pd.DataFrame:
             df.loc[i, ["quality_change", "quality_low", "quality_high", "quality_n", "time_ratio"]] = [
                 r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"], 1, res["time_ratio"].get(r["technique"], np.nan)]
             df.loc[i, "quality_from"] = f"stage {stage}"
-        _exact_fill(df, "dynamicconv", EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS)
+        _exact_fill(df, "dynamicconv", EXACT_DYNAMICCONV, EXACT_DYNAMICCONV_PRECISIONS, EQUAL_UP_TO_DROPOUT_DYNAMICCONV,
+                    EQUAL_UP_TO_DROPOUT_PRECISIONS)
         df = df[df.quality_change.notna()].reset_index(drop=True)
         df["role"], df["profile"], df["study"] = "beyond the paper", res["profile"], stage
         df["machine"] = res.get("machine", "not recorded")

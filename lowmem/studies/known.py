@@ -4,7 +4,10 @@ A row's quality is one of:
 - **measured**: its own runs, paired with the baseline (seeds, or one seed with the seed-widened bootstrap);
 - **exact by test**: it differs from the baseline only by a lever a test proves bit-equal (checkpointing), so its
   change is the baseline compared with itself;
-- **carried**: it differs from a trained run only by such a lever, and takes that run's quality (named).
+- **equal up to dropout draws**: it differs from the baseline only by a lever whose gradient a test proves equal to
+  the plain step's with dropout off (DynamicConv's exact microbatching), and exact ones; with dropout on, the masks
+  are other draws, so its change is zero with two seeds' noise as its interval;
+- **carried**: it differs from a trained run only by such levers, and takes that run's quality (named).
 
 ``quality_from`` (``frontier.results``) says where a row's quality comes from; this module turns it into those
 words. Neither decision rule changes here (``quality.RULES``): ``verdict`` only says where the data cannot carry the
@@ -19,17 +22,20 @@ from collections.abc import Mapping
 
 import pandas as pd
 
-EXACT_TWIN = re.compile(r"^exact, by test (?P<tests>.+): (?P<twin>.+?)'s runs?$")
+EXACT_TWIN = re.compile(r"^(?P<how>exact|equal up to dropout draws), by test (?P<tests>.+): (?P<twin>.+?)'s runs?$")
+DROPOUT = "equal up to dropout draws"
 
 
 def kind(quality_from: str) -> str:
-    """``measured``, ``exact by test``, ``carried`` or ``not trained``."""
+    """``measured``, ``exact by test``, ``equal up to dropout draws`` (``DROPOUT``), ``carried`` or ``not trained``."""
     if not isinstance(quality_from, str) or not quality_from:
         return "not trained"
     m = EXACT_TWIN.match(quality_from)
     if m is None:
         return "measured"
-    return "exact by test" if m["twin"] == "baseline" else "carried"
+    if m["twin"] != "baseline":
+        return "carried"
+    return "exact by test" if m["how"] == "exact" else DROPOUT
 
 
 def detail(quality_from: str, n: float, sources: Mapping[str, str], widened: bool = False) -> str:
@@ -46,8 +52,12 @@ def detail(quality_from: str, n: float, sources: Mapping[str, str], widened: boo
     assert m is not None
     if k == "exact by test":
         return f"exact by test ({m['tests']}): the baseline's own runs, compared with themselves"
-    return (f"carried from {m['twin']}'s run ({sources.get(m['twin'], 'source not recorded')}; {seeds}); "
-            f"the lever that differs is exact by test ({m['tests']})")
+    if k == DROPOUT:
+        return (f"equal up to dropout draws by test ({m['tests']}): the baseline's own update, its interval two "
+                "seeds' noise")
+    differ = ("the lever that differs is exact by test" if m["how"] == "exact"
+              else "the levers that differ are equal up to dropout draws or exact by test")
+    return f"carried from {m['twin']}'s run ({sources.get(m['twin'], 'source not recorded')}; {seeds}); {differ} ({m['tests']})"
 
 
 def tests_of(quality_from: str) -> str:

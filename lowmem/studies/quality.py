@@ -131,6 +131,18 @@ def seed_scores(noise: dict, updates: int) -> list[float]:
     return [g[0] for g in got]
 
 
+def dropout_draws(seed_sd: float, seeds: int) -> Paired:
+    """The baseline against itself trained with other dropout draws (DynamicConv's exact microbatching, equal to the
+    baseline's update up to them): zero, with two runs' seed noise as its interval, as ``with_seed_noise`` would give
+    a pair without a bootstrap (Student's t at ``seeds`` - 1 degrees of freedom). Wide: other dropout draws are less
+    than another seed (the initial weights and the batches' order stay)."""
+    if seeds < 2 or not (math.isfinite(seed_sd) and seed_sd >= 0):
+        raise ValueError(f"the seed sd needs a finite value >= 0 from two or more seeds, got {seed_sd} from {seeds}")
+    se = math.sqrt(2) * seed_sd
+    half = float(stats.t.ppf(0.5 + LEVEL / 2, seeds - 1)) * se
+    return Paired(0.0, -half, half, 1, se)
+
+
 def with_seed_noise(change: Paired, seed_sd: float, seeds: int) -> Paired:
     """One seed's paired-bootstrap ``change`` (``bleu_paired``), its interval widened by training's seed-to-seed noise:
     ``seed_sd``, the sd of the baseline's quality over ``seeds`` seeds, measured at the same length elsewhere (stage

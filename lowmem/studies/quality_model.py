@@ -34,6 +34,15 @@ EXACT = {"checkpoint": "tests/test_checkpoint.py::test_checkpointing_is_bit_equa
 # precisions the tests cover: a twin in another precision (fairseq's fp16, which trains only on a GPU) is not filled.
 EXACT_DYNAMICCONV = {"checkpoint": "tests/test_translation_techniques.py::test_checkpointed_layers_give_identical_loss_and_gradients_with_dropout_on"}
 EXACT_DYNAMICCONV_PRECISIONS = ("fp32", "mixed-bf16", "all-bf16", "adamw-8bit", "all-bf16-kahan")
+# DynamicConv's exact microbatching (the plugin's --microbatches k: the baseline's own batches in k sub-batches): the
+# gradient is the whole batch's up to the order of the sums, by the named test with dropout off; with dropout on the
+# masks are other draws of the same distribution. Not exact, then, but "equal up to dropout draws": a combination that
+# differs from a trained one only by it (and exact levers) takes that run's quality, and where that run is the
+# baseline its interval is two seeds' noise. Only in the settings the test covers: fp32 gradients (bf16 gradients
+# would accumulate the sub-batches in bf16). fairseq's --update-freq, which draws other batches, is never this.
+EQUAL_UP_TO_DROPOUT_DYNAMICCONV = {"microbatch": "tests/test_translation_microbatch.py::test_microbatches_give_the_gradients_of_the_whole_batch_with_dropout_off"}
+EQUAL_UP_TO_DROPOUT_PRECISIONS = ("fp32", "adamw-8bit")
+EXACT_MICROBATCH_OPTION = "--microbatches"
 # Fields of lowmem.techniques.step.Techniques that are levers beyond the paper, with their 'off' values.
 BEYOND_PAPER = {"optimizer": "sgd", "activation_bits": 0}
 # DynamicConv's levers beyond the paper that its precision dimension holds (what the training state is stored in),

@@ -172,7 +172,7 @@ def headline(r: Report) -> pd.DataFrame:
             quality += ": not resolved"
         how = {"measured": f"measured, {int(row.our_n)} seed{'s' if row.our_n > 1 else ''}",
                  "carried": f"carried from {known.twin_of(row.our_from)}'s run", "exact by test": "exact by test",
-                 }.get(getattr(row, "our_how_known", ""), "") if found else ""
+                 known.DROPOUT: known.DROPOUT}.get(getattr(row, "our_how_known", ""), "") if found else ""
         rows.append({"task": TASK_NAMES.get(row.task, row.task), "levers": LEVER_NAMES.get(row.levers, row.levers),
                      "rule": row.rule, "paper": f"{row.paper_reduction:g}x at {row.paper_change:g}",
                      "ours": f"{row.our_reduction:.2f}x: {row.our_config}" if found else row.our_config,
@@ -214,18 +214,39 @@ def headline_caption(r: Report) -> str:
     c = comparison(r)
     settings = "; ".join(f"**{TASK_NAMES.get(t, t)}**: {g.our_setting.iloc[0]}" for t, g in c.groupby("task", sort=False))
     tests = sorted({known.tests_of(q) for q in c.get("our_from", []) if known.tests_of(q)})
-    batching = (" **update-freq-k** is fairseq's `--update-freq k` at `--max-tokens` / k: a different batching of the "
+    batching = confirming(r, c) + (" **update-freq-k** is fairseq's `--update-freq k` at `--max-tokens` / k: a different batching of the "
                 "corpus (other sentences and tokens per update), not microbatching of the baseline's batches; its "
                 "quality change is that batching's." if c.our_config.astype(str).str.contains("update-freq").any() else "")
     return (f"Paper: {r.reference['citation']} (lowmem/studies/paper_reference.yaml). Ours: memory reduction "
             "accounted at the paper's full size; quality change paired against the baseline at the profile below, "
             "with its 95% interval and its half-width (±), or exact. How known: **measured** (the row's own runs), "
             "**exact by test** (it differs from the baseline only by checkpointing, bit-equal by test, so it is the "
-            "baseline compared with itself), or **carried** (it takes the named run's quality, the lever that differs "
-            f"being exact by test). Tests: {'; '.join(tests) or 'none'}. **not resolved**: within budget by the mean "
+            "baseline compared with itself), **equal up to dropout draws** (it differs from the baseline only by exact "
+            "microbatching, whose gradient equals the whole batch's with dropout off, by test: zero, with two seeds' "
+            "noise as its interval), or **carried** (it takes the named run's quality, the levers that differ being "
+            f"exact or equal up to dropout draws by test). Tests: {'; '.join(tests) or 'none'}. **not resolved**: within budget by the mean "
             "rule, but the interval is wider than twice the budget. On a GPU: the baseline's measured peak over the "
             f"configuration's, from the GPU check (`{GPU_CHECK}`).{batching} Settings: {settings}. "
             f"{frontier.rules_text()} Every column: figures/00_headline_full.md.")
+
+
+MICROBATCH_RUN = Path("metrics/translation_microbatch_train.json")
+
+
+def confirming(r: Report, c: pd.DataFrame) -> str:
+    """Where a DynamicConv row carries its quality through exact microbatching: what the confirming run (stage
+    translation_microbatch_train) measured for it against its own baseline, beside the carried value."""
+    path = r.root / MICROBATCH_RUN
+    carries = any(known.kind(q) == known.DROPOUT or "equal up to dropout draws" in str(q) for q in c.get("our_from", []))
+    if not carries or not path.exists():
+        return ""
+    res = json.loads(path.read_text())
+    arms = [t for t in res["trained"] if t["technique"] != "baseline"]
+    measured = "; ".join(f"{t['technique']} {t['sacrebleu_change']:+.2f} [{t['sacrebleu_change_low']:+.2f}, "
+                         f"{t['sacrebleu_change_high']:+.2f}] sacreBLEU" for t in arms)
+    return (f" **Confirming run** of exact microbatching (stage translation_microbatch_train, {res['max_update']} updates, "
+            f"seed {res['seed']}, paired bootstrap of the test set only): {measured} against its own baseline, beside "
+            "the quality the rows carry.")
 
 
 def reading(r: Report) -> str:
