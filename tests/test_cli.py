@@ -409,16 +409,20 @@ def test_the_sac_cross_check_is_the_same_whatever_numpys_global_generator_holds_
     assert rows[0] == rows[1]
 
 
+FAIRSEQ_ACCOUNTS: dict[tuple, object] = {}
+
+
 @pytest.fixture
 def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
-    """fairseq's accounting remembered by its arguments for one test (each full-size account takes seconds). A row's
+    """fairseq's accounting remembered by its arguments, across the tests that use it (each full-size account takes
+    seconds). A row's
     printed command, accounted again, is then the very call that made the row when the command is the one accounted,
     and is accounted afresh when it is not: asserting the two peaks equal still checks that the command printed is the
     command accounted. Returns the accounting itself, not remembered, for a test to check that an account made
     afresh, after the others, is the remembered one (nothing the others left behind changes it)."""
     from lowmem.dynamicconv import memory as fairseq_memory
 
-    seen: dict[tuple, object] = {}
+    seen = FAIRSEQ_ACCOUNTS  # shared by the tests that plan the same request: the accounting is a pure function
     real = fairseq_memory.account
 
     def account(recipe_args: list[str], *args: object, **kw: object) -> object:

@@ -100,11 +100,15 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def test_a_docstring_edit_retrains_nothing_and_one_changed_parameter_only_the_runs_it_touches(repo: Path) -> None:
-    """One `dvc exp run` for both (each DVC run of the copy costs tens of seconds): a docstring edited in the WRN
-    trainer, and one new static sparsity level. (The plugin's runs ignore docstrings too: test_runs.py.)"""
+    """One `dvc repro` for both (each DVC run of the copy costs tens of seconds; `dvc exp run -S` is the test above's):
+    a docstring edited in the WRN trainer, and one new static sparsity level. (The plugin's runs ignore docstrings
+    too: test_runs.py.)"""
     before = trained_events()
     _edit(repo / "lowmem/wrn/train.py", '"""Training WRN on an image dataset', '"""Training a WRN on an image dataset')
-    r = run(["dvc", "exp", "run", "-S", "sparsity.static_levels.smoke=[0.5,0.9]", "baseline_train", "sparsity_train"], repo)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["sparsity"]["static_levels"]["smoke"] = [0.5, 0.9]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = run(["dvc", "repro", "baseline_train", "sparsity_train"], repo)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     # DVC reran the stages, as the files they import changed, and they took every other run from the store.
     for stage in ("baseline_train", "sparsity_train"):
