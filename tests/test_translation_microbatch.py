@@ -13,7 +13,7 @@ from lowmem.dynamicconv.microbatch import part_sizes, split_batch
 from lowmem.dynamicconv.plugin import ARCH
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_translation_techniques import FULL, NO_DROPOUT, PLUGIN, batch, data, trainer  # noqa: E402,F401
+from test_translation_techniques import FULL, NO_DROPOUT, PLUGIN, TINY, batch, data, trainer  # noqa: E402,F401
 
 
 def test_sub_batches_keep_the_sentences_in_order_within_the_token_limit() -> None:
@@ -104,3 +104,15 @@ def test_the_accountant_holds_the_largest_sub_batch_of_activations_at_a_time() -
     assert micro.at_peak["activations"] * 31 == whole.at_peak["activations"] * 7
     assert micro.category_max["gradients"] == whole.category_max["gradients"]
     assert micro.category_max["optimizer"] == whole.category_max["optimizer"]
+
+
+@pytest.mark.parametrize("options", [["--microbatches", "4"], ["--microbatches", "8", "--checkpoint-activations"],
+                                     ["--update-freq", "3", "--microbatches", "2"], ["--update-freq", "4"],
+                                     ["--microbatches", "4", "--sparsity", "0.5", "--precision", "half-bf16"]])
+def test_accounting_repeated_batches_once_gives_every_byte_of_passing_them_all(options: list[str]) -> None:
+    """The accountant passes the first two of a run of equal sub-batches (or --update-freq batches): the rest find the
+    same tensors alive and leave them so. Equal to the byte: the peak, what each category holds there and at most."""
+    args = [*TINY, *PLUGIN, *options]
+    skipped = translation_memory.account(args, 64, 64, tokens=256, length=8)
+    every = translation_memory.account(args, 64, 64, tokens=256, length=8, skip_repeats=False)
+    assert (skipped.peak, skipped.at_peak, skipped.category_max) == (every.peak, every.at_peak, every.category_max)

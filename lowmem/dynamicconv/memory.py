@@ -116,7 +116,7 @@ class _OptimizerView:
 
 def fairseq_step(
     train_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, seed: int = 0, device: str | torch.device = "meta",
-    shard: sharding.Sharding = sharding.Sharding(),
+    shard: sharding.Sharding = sharding.Sharding(), skip_repeats: bool = False,
 ) -> tuple[StepFn, torch.nn.Module, Any, list[torch.Tensor]]:
     """One update as fairseq-train takes it for ``train_args`` (the recipe plus any technique's options): for each
     of ``--update-freq`` k batches (each as the plugin's ``--microbatches`` sub-batches, one after the other, where
@@ -127,7 +127,11 @@ def fairseq_step(
     is left out: fairseq moves those scalars to the CPU, which meta tensors cannot do. ``shard``: one of
     ``shard.devices`` devices, each updating on ``tokens`` of its own, wrapped for accounting as
     ``lowmem.techniques.sharding.wrap`` says (the ZeRO-1 mode shards fairseq's own Adam with torch's
-    ZeroRedundancyOptimizer: fairseq 0.12's --zero-sharding needs fairscale)."""
+    ZeroRedundancyOptimizer: fairseq 0.12's --zero-sharding needs fairscale). ``skip_repeats`` (for accounting only):
+    of a run of equal batches (sub-batches or --update-freq batches of one size), the step passes the first two and
+    then goes on with the next size or the optimizer. From the second on, equal batches find the same tensors alive
+    (the gradients are allocated, every batch's inputs were made up front) and leave them as they found them, so the
+    ones skipped repeat the second's bytes exactly; a test compares the peaks with and without."""
     # The recipe's Adam when the command names no optimizer (a later --optimizer overrides it).
     args, cfg = training_options(["--optimizer", "adam", *train_args])
     k = cfg.optimization.update_freq[0]
@@ -167,9 +171,14 @@ def fairseq_step(
                         "target": tgt, "ntokens": n * length, "nsentences": n})
         inputs += [src, tgt, prev, src_lengths]
 
+    passed = samples
+    if skip_repeats:  # the first two of each run of equal sizes (see above), in order
+        passed = [s for i, s in enumerate(samples)
+                  if i < 2 or s["nsentences"] != samples[i - 1]["nsentences"] or s["nsentences"] != samples[i - 2]["nsentences"]]
+
     def step(mark: Any) -> None:
         optimizer.zero_grad()
-        for sample in samples:
+        for sample in passed:
             mark("forward")
             loss, _, _ = criterion(model, sample)
             mark("backward")
@@ -213,7 +222,7 @@ def _shapes_as_sizes() -> Iterator[None]:
 
 
 def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int, length: int, device: str = "meta", seed: int = 0,
-            shard: sharding.Sharding = sharding.Sharding()) -> MemoryReport:
+            shard: sharding.Sharding = sharding.Sharding(), skip_repeats: bool = True) -> MemoryReport:
     """The accountant's report of one update (on one of ``shard.devices`` devices, of ``tokens`` tokens: the
     device's share). Under the plugin's ``--precision mixed-bf16``, and for a sharded update (FSDP2 places shards
     on a mesh of a real device type), the meta device becomes fake CPU tensors, as on the WRN track
@@ -234,7 +243,8 @@ def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int,
             if shard.active:
                 ctx.enter_context(sharding.fake_group(shard.devices))
     with ctx:
-        step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device, shard)
+        step, model, opt, batch = fairseq_step(recipe_args, src_vocab, tgt_vocab, tokens, length, seed, device, shard,
+                                               skip_repeats=skip_repeats)
         with _Unpadded():
             return account_step(step, model, opt, batch, storage_format(model),  # type: ignore[arg-type]
                                 held=sharding.held_buckets(model, shard))
