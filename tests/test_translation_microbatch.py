@@ -5,6 +5,7 @@ batch's with dropout off, and the accountant holds one sub-batch's activations a
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -116,3 +117,18 @@ def test_accounting_repeated_batches_once_gives_every_byte_of_passing_them_all(o
     skipped = translation_memory.account(args, 64, 64, tokens=256, length=8)
     every = translation_memory.account(args, 64, 64, tokens=256, length=8, skip_repeats=False)
     assert (skipped.peak, skipped.at_peak, skipped.category_max) == (every.peak, every.at_peak, every.category_max)
+
+
+def test_the_technique_accounting_is_the_same_on_two_processes_as_on_one() -> None:
+    """The combination sweep accounts DynamicConv's grid on ``combinations_dynamicconv.workers`` processes; no
+    number depends on how many."""
+    from lowmem.dynamicconv.params import TranslationTechniquesParams
+    from lowmem.studies import translation as study
+
+    p = TranslationTechniquesParams(recipe_args=TINY[:TINY.index("--optimizer")], max_tokens=256, src_vocab=64, tgt_vocab=64,
+                                    reference_length=8, techniques={"baseline": [], "mb4": ["--microbatches", "4"],
+                                                                    "ckpt": ["--checkpoint-activations"]},
+                                    trained=["baseline"], timed=["baseline"])
+    one, two = study.memory(p), study.memory(p, workers=2)
+    pd.testing.assert_frame_equal(one, two)
+    assert one.technique.tolist() == ["baseline", "mb4", "ckpt"] and one.total_mib.nunique() == 3

@@ -108,7 +108,7 @@ class CombinationsParams:
     # own baseline, where no single here trains it (e.g. bnb-sgd8bit, half-bf16-kahan)
     effects_from: list[str] = field(default_factory=list)
     timing_repeats: int = 1  # WRN: timed steps per combination (after a warm-up), all combinations in turn
-    workers: int = 1  # WRN: processes that account the grid (the timing runs in one, alone); the table is the same
+    workers: int = 1  # processes that account the grid (WRN's timing then runs in one, alone); the table is the same
     sparse_format: str = "csr16"  # WRN: accounted CSR index width (16-bit where every index fits)
     wrn: dict = field(default_factory=dict)  # WRN: the memory study's shapes (block ``sparsity``: model, batch, ...)
     train: dict = field(default_factory=dict)  # WRN: the baseline block, resolved (the trained runs' recipe)
@@ -150,9 +150,6 @@ class CombinationsParams:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ParamError(f"combinations_{self.task}.workers must be an integer >= 1 (processes that account the "
                              f"grid), got {self.workers!r}")
-        if self.task == "dynamicconv" and self.workers != 1:
-            raise ParamError("combinations_dynamicconv.workers: the DynamicConv sweep accounts in one process (fairseq's "
-                             "models, built one after another); leave it at 1")
         if self.search_paper and not self.search:
             raise ParamError(f"combinations_{self.task}.search_paper: a second pass of the search needs search: true")
         if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
@@ -651,7 +648,7 @@ def sweep(p: CombinationsParams, progress: bool = True, cache: Path | None = Non
     if p.task == "dynamicconv":
         from lowmem.studies import translation as translation_study  # fairseq: imported only where DynamicConv runs
 
-        mem = translation_study.memory(translation_params(p, configs), progress)
+        mem = translation_study.memory(translation_params(p, configs), progress, p.workers)
         by_name = mem.set_index("technique")
     else:
         memory = wrn_memory_rows(p, configs, progress, cache)

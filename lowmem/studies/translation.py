@@ -21,9 +21,11 @@ import argparse
 import dataclasses
 import functools
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,19 +74,38 @@ def train_params(p: TranslationTechniquesParams, name: str) -> TranslationTrainP
                                   max_update=p.max_update, warmup_updates=p.warmup_updates, lr=p.lr)
 
 
-def memory(p: TranslationTechniquesParams, progress: bool = False) -> pd.DataFrame:
+def memory_row(p: TranslationTechniquesParams, name: str) -> dict[str, Any]:
+    """The accounted peak of technique ``name``'s update at full size, by category (a row of ``memory``)."""
+    r = translation_memory.account([*p.recipe_args, *plugin_args(p, name)], p.src_vocab, p.tgt_vocab, p.max_tokens,
+                                   p.reference_length, seed=p.seed)
+    row: dict[str, Any] = {"technique": name, "options": " ".join(map(str, p.techniques[name])) or "(none)"}
+    row.update({f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES})
+    row.update({f"{c}_max_mib": r.category_max[c] / MIB for c in ("model", "gradients", "optimizer")})
+    row.update(total_mib=r.peak / MIB, peak_phase=r.peak_phase)
+    return row
+
+
+def memory(p: TranslationTechniquesParams, progress: bool = False, workers: int = 1) -> pd.DataFrame:
     """One row per technique: the accounted peak of one update of the full-size model (the recipe's arguments,
     no profile scaling) at ``max_tokens`` tokens in sentences of ``reference_length``, by category. ``progress``:
-    a bar, for the combination sweep's hundreds of configurations (several seconds each)."""
-    rows = []
-    for name in tqdm(p.techniques, desc="accounting DynamicConv updates at full size", disable=not progress, mininterval=10):
-        r = translation_memory.account([*p.recipe_args, *plugin_args(p, name)], p.src_vocab, p.tgt_vocab, p.max_tokens,
-                                       p.reference_length, seed=p.seed)
-        row: dict[str, Any] = {"technique": name, "options": " ".join(map(str, p.techniques[name])) or "(none)"}
-        row.update({f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES})
-        row.update({f"{c}_max_mib": r.category_max[c] / MIB for c in ("model", "gradients", "optimizer")})
-        row.update(total_mib=r.peak / MIB, peak_phase=r.peak_phase)
-        rows.append(row)
+    a bar, for the combination sweep's hundreds of configurations (several seconds each), accounted on ``workers``
+    processes (each account is PyTorch's dispatch in Python, one core; no number depends on how many)."""
+    names = list(p.techniques)
+    account = functools.partial(memory_row, p)
+    with tqdm(total=len(names), desc=f"accounting DynamicConv updates at full size ({workers} process{'es' if workers > 1 else ''})",
+              disable=not progress, mininterval=10) as bar:
+        if workers > 1 and len(names) > 1:
+            # Spawned: each worker imports torch and fairseq afresh, not a notebook kernel's threads; map keeps the order.
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                rows = []
+                for row in pool.map(account, names, chunksize=2):
+                    rows.append(row)
+                    bar.update()
+        else:
+            rows = []
+            for name in names:
+                rows.append(account(name))
+                bar.update()
     df = pd.DataFrame(rows)
     df["reduction"] = float(df.loc[df.technique == "baseline", "total_mib"].iloc[0]) / df.total_mib
     return df
