@@ -108,5 +108,6 @@ def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp
     assert (a["seconds: X (AVX2)"], a["seconds: Y (AVX-512)"], a["seconds: not recorded"], a["commit"]) == (9.0, 4.0, 5.0, "def5678")
     b = shown.set_index("stage").loc["b"]
     assert b["seconds: X (AVX2)"] == 2.0 and pd.isna(b["seconds: Y (AVX-512)"]) and b["commit"] == "abc1234"
-    line = stage_times.summary(2, 1.5, "cpu", "X (AVX2)", "abc1234", True)
-    assert line == "Latest `make repro`: 2 stage(s) in 1.5 min at profile `cpu` on X (AVX2), 2 cores, from commit abc1234.\n"
+    line = stage_times.summary(2, 1.5, "cpu", "X (AVX2)", True)
+    assert line == ("Latest `make repro`: 2 stage(s) in 1.5 min at profile `cpu` on X (AVX2), 2 cores (the commit of each "
+                    "stage: figures/stage_times.md).\n")

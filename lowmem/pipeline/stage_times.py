@@ -158,10 +158,11 @@ def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool, 
     return pd.concat([old, new], ignore_index=True)
 
 
-def summary(stages: int, minutes: float, profile: str, cpu: str, made_by: str, ok: bool) -> str:
-    """The latest run in one line, for the README (embedded by ``lowmem.pipeline.docs``)."""
+def summary(stages: int, minutes: float, profile: str, cpu: str, ok: bool) -> str:
+    """The latest run in one line, for the README (embedded by ``lowmem.pipeline.docs``); the commits stay in the
+    stage table, since the README holds no history."""
     return (f"{'Latest' if ok else 'Latest (failed)'} `make repro`: {stages} stage(s) in {minutes:.1f} min at profile "
-            f"`{profile}` on {cpu}, 2 cores, from commit {made_by}.\n")
+            f"`{profile}` on {cpu}, 2 cores (the commit of each stage: figures/stage_times.md).\n")
 
 
 def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if times:
         save(times, rc == 0)
         total = sum(t for _, t in times)
-        Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, made_by, rc == 0))
+        Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, rc == 0))
         write_frozen(Path(f"{args.out}_frozen"))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
     # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
