@@ -527,7 +527,8 @@ def test_a_dynamicconv_checkpoint_twin_carries_its_run_only_in_a_tested_precisio
 
 def test_exact_microbatching_carries_its_twins_quality_as_equal_up_to_dropout_draws_and_update_freq_does_not() -> None:
     mb, uf = "--microbatches 16", "--update-freq 16 --max-tokens 250"
-    rows = [("baseline", 0, "fp32", 1, "none", "(none)", 0.0), ("sparsity-0.9", 0.9, "fp32", 1, "none", "--sparsity 0.9", -0.3),
+    rows = [("baseline", 0, "fp32", 1, "none", "(none)", 0.0), ("checkpoint", 0, "fp32", 1, "layers", "--checkpoint-activations", 0.0),
+            ("sparsity-0.9", 0.9, "fp32", 1, "none", "--sparsity 0.9", -0.3),
             ("all-bf16", 0, "all-bf16", 1, "none", "--precision half-bf16", -9.0),
             ("update-freq-16", 0, "fp32", 16, "none", uf, 2.4),
             ("microbatch-16+checkpoint", 0, "fp32", 16, "layers", f"{mb} --checkpoint-activations", None),
@@ -537,12 +538,13 @@ def test_exact_microbatching_carries_its_twins_quality_as_equal_up_to_dropout_dr
             ("update-freq-8", 0, "fp32", 8, "none", "--update-freq 8 --max-tokens 500", None)]
     df = pd.DataFrame(rows, columns=["name", "sparsity", "precision", "microbatch", "checkpoint", "options", "quality_change"])
     df["quality_low"], df["quality_high"], df["quality_n"], df["quality_from"] = df.quality_change - 1, df.quality_change + 1, 1.0, ""
-    df.loc[0, ["quality_low", "quality_high"]] = [0.0, 0.0]
+    df.loc[[0, 1], ["quality_low", "quality_high"]] = 0.0  # checkpointing, trained too (stage 08), is exact: 0 [0, 0]
     df["activation_bits"] = 0
     frontier._exact_fill(df, "dynamicconv", quality_model.EXACT_DYNAMICCONV, quality_model.EXACT_DYNAMICCONV_PRECISIONS,
                          quality_model.EQUAL_UP_TO_DROPOUT_DYNAMICCONV, quality_model.EQUAL_UP_TO_DROPOUT_PRECISIONS)
     by = df.set_index("name")
-    # The baseline's own update with other dropout draws: zero, its interval left for the seed noise to give.
+    # The baseline's own update with other dropout draws (not the checkpointed run's, trained beside it): zero, its
+    # interval left for the seed noise to give.
     assert by.loc["microbatch-16+checkpoint", "quality_change"] == 0 and by.loc["microbatch-16+checkpoint", ["quality_low", "quality_high"]].isna().all()
     assert by.loc["microbatch-16+checkpoint", "quality_from"] == (
         f"equal up to dropout draws, by test {quality_model.EQUAL_UP_TO_DROPOUT_DYNAMICCONV['microbatch']}; "

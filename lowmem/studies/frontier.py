@@ -106,10 +106,15 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
         trained = trained[trained.precision.isin(precisions)]
     plain = (df.activation_bits == 0) if "activation_bits" in df else pd.Series(True, index=df.index)
     trained = trained[plain[trained.index]]
+    def levers_on(r: pd.Series) -> int:
+        return sum(r[d] not in (0, 1, "none") for d in [*exact, *dropout])
+
     measured: dict[tuple, pd.Series] = {}
-    for _, r in trained.iterrows():  # a twin without the dropout levers first: the same configuration, plainly trained
+    for _, r in trained.iterrows():
         k = key(r)
-        if k not in measured or all(r[d] in (0, 1) for d in dropout):
+        # With dropout levers, the twin is the plainest run of the key (the baseline before its checkpointed run):
+        # a row equal to the baseline up to dropout draws is the baseline's, whichever exact twin was trained too.
+        if k not in measured or (dropout and levers_on(r) < levers_on(measured[k])):
             measured[k] = r
     for i, r in df[df.quality_change.isna() & plain].iterrows():
         twin = measured.get(key(r))
@@ -563,14 +568,15 @@ FRONTIER_CAPTION = (
     "the stated profile, never the paper's CIFAR-10 or IWSLT'14 unless the profile is `paper`. Error bars: the 95% "
     "interval of the paired change (WRN: over seeds; DynamicConv: one seed's paired bootstrap of the test set, where "
     "computed, widened by the baseline's seed-to-seed sd where measured at that length, as the setting says). Diamonds: combinations that differ from a trained one only by checkpointing, which is exact by test, "
-    "so they carry its quality. White points: time per step not measured at this profile. The black line: the Pareto "
+    "or also by DynamicConv's exact microbatching, equal up to dropout draws by test (two seeds' noise as the interval "
+    "where the trained one is the baseline), so they carry its quality. White points: time per step not measured at this profile. The black line: the Pareto "
     "frontier of the paper's levers alone. Stars: configurations with a lever beyond the paper. WRN: the grid's "
     "compressed activations, 8-bit momentum and Kahan-compensated bf16, timed by the same sweep; compressed activations "
     "trained alone and in the search's picks beside the same baseline, 8-bit momentum and Kahan alone beside their own "
     "stages' baselines on the same seeds, and those stages' arms on top of other levers, timed by those runs. DynamicConv: 8-bit Adam moments and Kahan-compensated all-bf16 (settings of the grid's precision) and "
     "compressed activations (a dimension of the grid), one seed beside each study's own "
     "baseline, their intervals as the other DynamicConv points', timed by those runs. One machine per study; a white "
-    "star is the exact twin of a trained one.")
+    "star is the twin of a trained one.")
 
 
 def figure(s: Study) -> Figure:
@@ -589,7 +595,8 @@ def figure(s: Study) -> Figure:
     for ax, (task, r) in zip(axes, s.results.items()):
         t = r[r.quality_change.notna()].sort_values("reduction")
         exact = t.quality_from.str.startswith("exact")
-        for mask, marker, size in ((~exact, "o", 70), (exact, "D", 28)):
+        twin = exact | t.quality_from.str.startswith(known.DROPOUT)  # a trained run's quality, carried
+        for mask, marker, size in ((~twin, "o", 70), (twin, "D", 28)):
             timed = mask & t.time_ratio.notna()
             ax.scatter(t.reduction[timed], t.quality_change[timed], c=t.time_ratio[timed], cmap=cmap, norm=norm,
                        s=size, marker=marker, edgecolor="black", linewidth=0.6, zorder=3)
