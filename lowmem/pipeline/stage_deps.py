@@ -113,8 +113,9 @@ def write(dvc_yaml: Path, root: Path = ROOT) -> list[str]:
     drop comments); returns the names of the stages whose deps changed."""
     import yaml
 
-    want = expected(yaml.safe_load(dvc_yaml.read_text())["stages"], root)
-    lines, out, changed = dvc_yaml.read_text().splitlines(), [], []
+    text = dvc_yaml.read_text()
+    want = expected(yaml.safe_load(text)["stages"], root)
+    lines, out, changed = text.splitlines(), [], []
     stage, i = None, 0
     while i < len(lines):
         line = lines[i]

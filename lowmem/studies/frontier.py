@@ -93,22 +93,21 @@ def _exact_fill(df: pd.DataFrame, task: str, exact: dict[str, str] = EXACT, prec
     dropout = dropout or {}
     lossy = [d for d in dims(task) if d not in exact and d not in dropout]
 
-    def carried(r: pd.Series) -> bool:
-        return EXACT_MICROBATCH_OPTION in str(r.get("options", "")) and r["precision"] in dropout_precisions
-
     def key(r: pd.Series) -> tuple:
-        # Off, or equal up to dropout draws: any setting will do; else the setting and its kind must match.
-        return tuple(r[d] for d in lossy) + tuple(None if r[d] in (0, 1) or carried(r)
-                                                  else (r[d], EXACT_MICROBATCH_OPTION in str(r.get("options", ""))) for d in dropout)
+        # Off, or equal up to dropout draws (exact microbatching where the test covers the precision): any setting
+        # will do; else the setting and its kind (exact, or fairseq's other batching) must match.
+        split = EXACT_MICROBATCH_OPTION in str(r.get("options", ""))
+        carried = split and r["precision"] in dropout_precisions
+        return tuple(r[d] for d in lossy) + tuple(None if r[d] in (0, 1) or carried else (r[d], split) for d in dropout)
+
+    def levers_on(r: pd.Series) -> int:
+        return sum(r[d] not in (0, 1, "none") for d in [*exact, *dropout])
 
     trained = df[df.quality_change.notna()]
     if precisions is not None:
         trained = trained[trained.precision.isin(precisions)]
     plain = (df.activation_bits == 0) if "activation_bits" in df else pd.Series(True, index=df.index)
     trained = trained[plain[trained.index]]
-    def levers_on(r: pd.Series) -> int:
-        return sum(r[d] not in (0, 1, "none") for d in [*exact, *dropout])
-
     measured: dict[tuple, pd.Series] = {}
     for _, r in trained.iterrows():
         k = key(r)

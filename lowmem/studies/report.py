@@ -237,7 +237,7 @@ def confirming(r: Report, c: pd.DataFrame) -> str:
     """Where a DynamicConv row carries its quality through exact microbatching: what the confirming run (stage
     translation_microbatch_train) measured for it against its own baseline, beside the carried value."""
     path = r.root / MICROBATCH_RUN
-    carries = any(known.kind(q) == known.DROPOUT or "equal up to dropout draws" in str(q) for q in c.get("our_from", []))
+    carries = any(str(q).startswith(known.DROPOUT) for q in c.get("our_from", []))  # the baseline's, or a carried twin's
     if not carries or not path.exists():
         return ""
     res = json.loads(path.read_text())

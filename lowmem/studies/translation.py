@@ -18,6 +18,7 @@ levers beyond the paper): runs pair only within one file, one machine's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -94,17 +95,13 @@ def memory(p: TranslationTechniquesParams, progress: bool = False, workers: int 
     account = functools.partial(memory_row, p)
     with tqdm(total=len(names), desc=f"accounting DynamicConv updates at full size ({workers} process{'es' if workers > 1 else ''})",
               disable=not progress, mininterval=10) as bar:
-        if workers > 1 and len(names) > 1:
-            # Spawned: each worker imports torch and fairseq afresh, not a notebook kernel's threads; map keeps the order.
-            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-                rows = []
-                for row in pool.map(account, names, chunksize=2):
-                    rows.append(row)
-                    bar.update()
-        else:
+        # Spawned: each worker imports torch and fairseq afresh, not a notebook kernel's threads; map keeps the order.
+        pool = (ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+                if workers > 1 and len(names) > 1 else None)
+        with pool or contextlib.nullcontext():
             rows = []
-            for name in names:
-                rows.append(account(name))
+            for row in pool.map(account, names, chunksize=2) if pool else map(account, names):
+                rows.append(row)
                 bar.update()
     df = pd.DataFrame(rows)
     df["reduction"] = float(df.loc[df.technique == "baseline", "total_mib"].iloc[0]) / df.total_mib
