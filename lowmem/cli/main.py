@@ -1,10 +1,13 @@
 """The ``lowmem`` command (pyproject's console script): ``lowmem profile`` and ``lowmem plan``.
 
     lowmem profile torchvision:resnet50 --batch 64 --input 3x224x224 --optimizer adamw
-    lowmem plan torchvision:resnet50 --batch 256 --input 3x224x224 --optimizer sgd-momentum --budget 4GiB
+    lowmem plan torchvision:resnet50 --batch 256 --input 3x224x224 --optimizer sgd-momentum --budget 4GiB [--explain 1]
+    lowmem plan torchvision:resnet50 --batch 256 --input 3x224x224 --budget t4 --check        # exit 0 fits, 1 not
+    lowmem plan torchvision:resnet50 --input 3x224x224 --budget 4GiB --max-batch --levers mixed-bf16+checkpoint-block
 
-Bad input (an unknown model, an unparsable shape, an unknown optimizer, a budget nothing meets) gives one line on
-stderr that says what is allowed, and exit status 2.
+Bad input (an unknown model, an unparsable shape, an unknown optimizer or device, a budget nothing meets, a row
+--explain does not have) gives one line on stderr that says what is allowed, and exit status 2; a step that does
+not fit (--check, --max-batch) exits 1.
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 import time
 
+from lowmem.cli import fits, models, plan_output
 from lowmem.cli import plan as planner
-from lowmem.cli import models
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, measure
+from lowmem.memory import devices
 from lowmem.memory.accounting import MIB
 from lowmem.techniques import optimizers, sharding
+from lowmem.techniques.step import Techniques
 
 
 def _request(args: argparse.Namespace) -> Request:
@@ -69,31 +75,81 @@ def profile_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say(text: str) -> None:
+    print(textwrap.fill(text, plan_output.WIDTH, break_long_words=False, break_on_hyphens=False))
+
+
 def plan_cmd(args: argparse.Namespace) -> int:
     req = _request(args)
-    budget = planner.budget_bytes(args.budget)
+    budget, notes = fits.budget(args.budget)
+    if args.check or args.max_batch:
+        if args.explain is not None or args.json:
+            raise SpecError("--check and --max-batch print one answer: leave out --explain and --json")
+        return check_cmd(args, req, budget, notes) if args.check else max_batch_cmd(args, req, budget, notes)
     levers = planner.Levers(optimizer_state=tuple(dict.fromkeys(args.optimizer_state)), step=tuple(dict.fromkeys(args.step)))
     p = planner.make_plan(req, budget, time_steps=args.time, exact_only=args.exact_only, max_loss=args.max_loss,
-                          levers=levers)
+                          levers=levers, progress=not (args.json or args.explain))
+    if args.json:
+        print(plan_output.as_json(p.fitting, req, budget))
+        return 0
+    if args.explain is not None:
+        try:
+            print(plan_output.explain(p.fitting, args.explain, req, budget))
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+        return 0
     fitting = int(p.rows.get("largest_fitting", p.rows.peak_bytes < 0).fillna(False).astype(bool).sum())
     per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peaks per device" if req.devices > 1 else ""
-    print(f"{req.model}, batch {req.batch}{per}, {req.optimizer}: {len(p.rows)} configurations accounted; {fitting} settings "
-          f"of the other levers fit {args.budget} at some microbatch (the largest that fits is kept); the Pareto set "
-          "over peak, time and quality risk:\n")
-    print(planner.table(p))
-    print("\nrecompute: forward FLOPs run again, over the plain step's. time: " +
-          ("measured seconds per step over the plain step's, on this machine." if p.timed else
-           "estimated, the step's FLOP ratio (microbatching's smaller kernels and packing's passes are not in it; "
-           "--time measures)."))
-    print("quality risk: 'exact' = proven equal to the plain step by test; otherwise each lossy lever's effect as "
-          "measured in this project, on the task and profile named, never on your model.")
+    _say(f"{req.model}, batch {req.batch}{per}, {req.optimizer}: {len(p.rows)} configurations accounted; {fitting} "
+         f"settings of the other levers fit {args.budget} ({budget / 2**30:.3f} GiB) at some microbatch (the largest "
+         "that fits is kept). The Pareto set over peak, time and quality risk:")
+    for note in notes:
+        _say(f"budget: {note}")
+    print()
+    print(plan_output.table(p.fitting))
+    print()
+    _say("time: " + ("measured seconds per step over the plain step's, on this machine." if p.timed else
+                     "estimated, the FLOP ratio to the plain step (recompute only; --time measures)."))
+    _say("risk: 'exact' = proven equal to the plain step by test; 'lossy X' = X is the low end of the summed 95% "
+         "intervals of the lossy levers' effects measured in this project (accuracy points or BLEU), never on your "
+         "model; 'unmeasured' = a lossy lever not measured here. `--explain N` prints row N in full with the Python that applies it; `--json` prints every row.")
     if req.devices > 1 and req.spec.kind != "fairseq":
         fp32 = sum(p.numel() * 4 for p in models.build(req.spec, "meta").parameters())
         traffic = sharding.traffic_bytes(fp32, req.sharding)
-        print(f"communication: each device sends {traffic / MIB:.1f} MiB per step with fp32 weights (half that with "
-              "16-bit weights), ring collectives (lowmem.techniques.sharding.traffic_bytes); not in time, which is one "
-              "device's compute.")
+        _say(f"communication: each device sends {traffic / MIB:.1f} MiB per step with fp32 weights (half that with "
+             "16-bit weights), ring collectives (lowmem.techniques.sharding.traffic_bytes); not in time, which is one "
+             "device's compute.")
     return 0
+
+
+def check_cmd(args: argparse.Namespace, req: Request, budget: int, notes: tuple[str, ...]) -> int:
+    """Exit 0 when the request's plain step fits the budget, 1 when it does not (for CI)."""
+    peak = fits.peak(req)
+    ok = peak <= budget
+    _say(f"{'fits' if ok else 'does not fit'}: {req.model}, batch {req.batch}, {req.optimizer}, plain step: peak "
+         f"{peak / MIB:,.1f} MiB against {args.budget} ({budget / MIB:,.1f} MiB).")
+    for note in notes:
+        _say(f"budget: {note}")
+    return 0 if ok else 1
+
+
+def max_batch_cmd(args: argparse.Namespace, req: Request, budget: int, notes: tuple[str, ...]) -> int:
+    """The largest batch that fits, under the plain step or ``--levers``; exit 1 when even the smallest does not."""
+    tech = fits.parse_levers(args.levers)
+    r = fits.max_batch(req, budget, tech)
+    under = "the plain step" if tech == Techniques() else args.levers
+    if r.batch == 0:
+        _say(f"does not fit: even batch {req.devices} of {req.model} under {under} peaks at {r.peak / MIB:,.1f} MiB, "
+             f"over {args.budget} ({budget / MIB:,.1f} MiB).")
+        code = 1
+    else:
+        most = f"at least {r.batch} (the search stops at {fits.MAX_BATCH_CAP})" if r.capped else str(r.batch)
+        _say(f"largest batch: {most}, {req.model}, {req.optimizer}, under {under}: peak {r.peak / MIB:,.1f} MiB against "
+             f"{args.budget} ({budget / MIB:,.1f} MiB).")
+        code = 0
+    for note in notes:
+        _say(f"budget: {note}")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(run=profile_cmd)
     q = sub.add_parser("plan", help="the combinations of levers that fit a memory budget")
     _common(q)
-    q.add_argument("--budget", required=True, help="e.g. 4GiB, 512MiB, 1.5GB (KiB/MiB/GiB: powers of 2; KB/MB/GB: of 10)")
+    q.add_argument("--budget", required=True,
+                   help="e.g. 4GiB, 512MiB, 1.5GB (KiB/MiB/GiB: powers of 2; KB/MB/GB: of 10), or a GPU: "
+                        f"{', '.join(devices.names())} (its memory less what was measured of its libraries)")
+    q.add_argument("--json", action="store_true", help="print every row of the Pareto set as JSON")
+    q.add_argument("--explain", type=int, metavar="N", help="print row N of the table in full, with the Python that applies it")
+    q.add_argument("--check", action="store_true", help="only account the plain step: exit 0 if it fits, 1 if not (2: bad input)")
+    q.add_argument("--max-batch", action="store_true",
+                   help=f"the largest batch that fits, under the plain step or --levers (searched up to {fits.MAX_BATCH_CAP})")
+    q.add_argument("--levers", default="plain", help="with --max-batch: e.g. mixed-bf16+microbatch-8+checkpoint-block+activations-8")
     q.add_argument("--time", action="store_true", help="measure each fitting configuration's step time on the CPU")
     q.add_argument("--exact-only", action="store_true", help="only levers proven exact")
     q.add_argument("--optimizer-state", nargs="+", choices=planner.OPTIMIZER_STATE, default=list(planner.OPTIMIZER_STATE),

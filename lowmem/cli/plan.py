@@ -51,7 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from lowmem.cli import models
+from lowmem.cli import models, plan_output
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
 from lowmem.studies.frontier import beyond_rows
@@ -370,6 +370,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                           "time_source": "estimated (FLOP ratio" + ("; not the fused step's per-parameter calls)" if step == "fused" else ")"),
                           "predicted_change": change, "predicted_low": low, "quality_risk": label,
                           "how_to_apply": how_to_apply(tech, segments, state, req.optimizer, step), "tech": tech,
+                          "levers": plan_output.levers(tech, segments, opt, req.optimizer, step),
                           "segments": segments}
         return cache[key]
 
@@ -455,14 +456,6 @@ def _choose(df: pd.DataFrame, budget: int, exact_only: bool, max_loss: float | N
     if ok.empty:
         best = df.sort_values("peak_bytes").iloc[0]
         raise SpecError(f"no configuration fits {budget / 2**30:.3f} GiB{' with the filters given' if len(df[df.peak_bytes <= budget]) else ''}: "
-                        f"the smallest peak is {best.peak_bytes / 2**30:.3f} GiB, with {best['how_to_apply']}")
+                        f"the smallest peak is {best.peak_bytes / 2**30:.3f} GiB, with {best['levers']} ({best['how_to_apply']})")
     front = ok[pareto(ok)].copy()
     return Plan(budget, df, front.sort_values(["peak_bytes"]).reset_index(drop=True), False)
-
-
-def table(plan: Plan) -> str:
-    """The fitting Pareto set as Markdown."""
-    t = plan.fitting.assign(peak_gib=plan.fitting.peak_bytes / 2**30)
-    cols = ["peak_gib", "precision", "checkpoint", "microbatch", "activation_bits", "optimizer", "step", "recompute", "time",
-            "time_source", "quality_risk", "how_to_apply"]
-    return t[[c for c in cols if c in t]].round(4).to_markdown(index=False)

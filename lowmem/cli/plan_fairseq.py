@@ -29,6 +29,7 @@ import pandas as pd
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
+from lowmem.cli import plan_output
 from lowmem.cli.models import SpecError
 from lowmem.cli.plan import combine, first_fitting
 from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request, _HostScalars
@@ -175,7 +176,8 @@ def rows(req: Request, budget: int, progress: bool, root: Path, states: tuple[st
                     "time_source": "estimated (FLOP ratio)", "predicted_change": change, "predicted_low": low, "quality_risk": label,
                     "how_to_apply": "fairseq-train " + " ".join([*base_args(req), *args]) + " (plus your data and recipe)"
                                     + (" (--fp16: CUDA only)" if "--fp16" in p else ""),
-                    "tech": None, "segments": None, "largest_fitting": False})
+                    "tech": None, "segments": None, "largest_fitting": False,
+                    "levers": plan_output.fairseq_levers(p, c, m, o)})
         return out[-1]
 
     # Kahan only beside the bf16 weights it compensates: with fp32 weights optimi adds no buffer and is AdamW itself.

@@ -1,0 +1,101 @@
+"""Does a step fit: the budget as a size or a device's name, ``lowmem plan --check`` (exit 0 fits, 1 does not) and
+``lowmem plan --max-batch`` (the largest batch that fits, under the plain step or named levers)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lowmem.cli.models import SpecError
+from lowmem.cli.plan import budget_bytes
+from lowmem.cli.profile import Request, account
+from lowmem.memory import devices
+from lowmem.techniques import checkpoint, precision
+from lowmem.techniques.step import Techniques
+
+MAX_BATCH_CAP = 2**16  # the batch search stops here: a batch that still fits is reported as "at least" this
+
+
+def budget(text: str) -> tuple[int, tuple[str, ...]]:
+    """(bytes, where they come from) of ``--budget``: a size (4GiB, 512MiB, 1.5GB) or a device of
+    ``lowmem.memory.devices`` (t4, a100-40gb, h100-80gb, ...), less what was measured of its context and libraries."""
+    if text in devices.names():
+        try:
+            b = devices.budget(text)
+        except ValueError as e:
+            raise SpecError(str(e)) from None
+        return b.bytes, b.notes
+    try:
+        return budget_bytes(text), ()
+    except SpecError:
+        raise SpecError(f"budget {text!r} is neither a size with a unit (e.g. 4GiB, 512MiB, 1.5GB) nor a device: one of "
+                        f"{', '.join(devices.names())}") from None
+
+
+def parse_levers(text: str) -> Techniques:
+    """'mixed-bf16+microbatch-8+checkpoint-block+activations-8' (the plan's short names; 'plain' for none) as
+    Techniques."""
+    fields: dict[str, object] = {}
+    for name in [] if text == "plain" else text.split("+"):
+        kind, _, value = name.partition("-")
+        try:
+            if name in precision.MODES:
+                fields["precision"] = name
+            elif kind == "microbatch" and value.isdigit() and int(value) > 0:
+                fields["microbatch"] = int(value)
+            elif kind == "activations" and value.isdigit():
+                fields["activation_bits"] = int(value)
+            elif kind == "checkpoint":
+                checkpoint.parse(value)
+                fields["checkpoint"] = value
+            else:
+                raise ValueError(name)
+            tech = Techniques(**fields)  # type: ignore[arg-type]
+        except ValueError:
+            raise SpecError(f"--levers {text!r}: {name!r} is not one of a precision ({', '.join(precision.MODES)}), "
+                            "microbatch-N, checkpoint-STRATEGY (block, sqrt, every-K) or activations-BITS, joined by "
+                            "'+', or 'plain'") from None
+    return Techniques(**fields)  # type: ignore[arg-type]
+
+
+def peak(req: Request, tech: Techniques = Techniques()) -> int:
+    """The accounted peak of ``req``'s step under ``tech`` (a long accumulation is followed over its first three
+    microbatches, as ``lowmem plan`` does)."""
+    b = tech.microbatch
+    return account(req, tech, examples=3 * b if b and req.device_batch // b > 3 else None).peak
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxBatch:
+    batch: int  # the largest batch that fits; 0 when the smallest does not
+    peak: int  # its peak (the smallest batch's when none fits)
+    smallest_peak: int  # the peak at the smallest batch (one example per device)
+    capped: bool  # the search stopped at its cap with the batch still fitting: the answer is at least ``batch``
+
+
+def max_batch(req: Request, limit: int, tech: Techniques = Techniques(), cap: int = MAX_BATCH_CAP) -> MaxBatch:
+    """The largest batch whose step fits ``limit`` bytes under ``tech``. Batches are multiples of ``req.devices``
+    (each device steps on its share); the peak grows with the batch, so the search doubles, then bisects."""
+    unit = req.devices
+
+    def at(k: int) -> int:
+        return peak(dataclasses.replace(req, batch=k * unit), tech)
+
+    first = at(1)
+    if first > limit:
+        return MaxBatch(0, first, first, False)
+    lo, lo_peak, hi = 1, first, 2
+    while True:
+        if hi * unit > cap:
+            return MaxBatch(lo * unit, lo_peak, first, True)
+        p = at(hi)
+        if p > limit:
+            break
+        lo, lo_peak, hi = hi, p, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        p = at(mid)
+        if p <= limit:
+            lo, lo_peak = mid, p
+        else:
+            hi = mid
+    return MaxBatch(lo * unit, lo_peak, first, False)
