@@ -18,6 +18,8 @@ accountant keeps meta's (the GPU's) bytes, and a test states the difference exac
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import logging
 import time
 import types
@@ -54,12 +56,20 @@ def _dictionary(size: int) -> Dictionary:
 
 def training_options(train_args: list[str]) -> tuple[argparse.Namespace, Any]:
     """A fairseq-train command line's options, parsed by fairseq-train's own parser (``--user-dir`` plugins
-    included) and completed by its architecture's defaults: (args, fairseq's config)."""
+    included) and completed by its architecture's defaults: (args, fairseq's config). Copies of one parse per
+    command line: Hydra's composition of the config is half the time of a whole account, and callers change the
+    config they get (``build_optimizer``)."""
+    args, cfg = _parsed(tuple(map(str, train_args)))
+    return copy.deepcopy(args), copy.deepcopy(cfg)
+
+
+@functools.lru_cache(maxsize=512)
+def _parsed(train_args: tuple[str, ...]) -> tuple[argparse.Namespace, Any]:
     from fairseq import options
     from fairseq.dataclass.utils import convert_namespace_to_omegaconf
 
     parser = options.get_training_parser()
-    args = options.parse_args_and_arch(parser, ["<data>", *map(str, train_args)])
+    args = options.parse_args_and_arch(parser, ["<data>", *train_args])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # Hydra's deprecation notices about fairseq's config schema
         return args, convert_namespace_to_omegaconf(args)
