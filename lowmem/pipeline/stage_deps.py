@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import re
 import sys
@@ -61,22 +62,32 @@ def entry_points(cmd: str, root: Path = ROOT) -> set[str]:
     return mods
 
 
-def started_modules(module: str) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def started_modules(module: str) -> frozenset[str]:
     """Modules that ``module`` starts in other processes (``-m lowmem.X``): string constants naming a module."""
     tree = ast.parse(runs._module_file(module).read_text())
-    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
-            and MODULE_NAME.match(n.value) and n.value != module and runs._module_file(n.value).exists()}
+    return frozenset(n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                     and MODULE_NAME.match(n.value) and n.value != module and runs._module_file(n.value).exists())
 
 
 def closure(modules: set[str]) -> set[str]:
     """``modules``, what they import (``runs.closure``) and what they start, transitively."""
+    return set(_closure(frozenset(modules)))
+
+
+@functools.lru_cache(maxsize=None)  # the stages of a matrix, and notebooks alike, share their entry points
+def _closure(modules: frozenset[str]) -> frozenset[str]:
     seen: set[str] = set()
-    todo = set(modules)
-    while todo:
-        new = set(runs.closure(*todo)) - seen
-        seen |= new
-        todo = {s for m in new for s in started_modules(m)} - seen
-    return seen
+    todo = list(modules)
+    while todo:  # runs.closure's walk, over imports parsed once per module for all the stages
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend((_imports(m) | started_modules(m)) - seen)
+    return frozenset(seen)
+
+
+_imports = functools.lru_cache(maxsize=None)(runs.imports_of)
 
 
 def _file(module: str) -> str:
