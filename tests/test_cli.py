@@ -50,6 +50,18 @@ def test_an_lstm_is_named_as_not_exact_and_really_is_not():
     assert profile.gap_notes(models.build(EXACT_FAMILIES["residual CNN"].spec, "meta")) == []
 
 
+@pytest.mark.parametrize("name", ["regnet_y_400mf", "googlenet"])
+def test_torchvision_models_that_lay_out_with_tensors_or_train_auxiliary_heads_profile(name):
+    # RegNet computes its widths with torch.arange and .tolist(), which meta tensors cannot; GoogLeNet returns its
+    # auxiliary heads' logits beside the main ones in training, and those heads train too.
+    req = Request(f"torchvision:{name}", 2, (3, 64, 64), "sgd-momentum")
+    assert profile.account(req).peak == _real_account(req)
+    step, model, opt, _ = profile.step_of(req, Techniques(), "cpu")
+    step(lambda _: None)
+    heads = [p for n, p in model.named_parameters() if n.startswith("model.aux")]
+    assert (name == "googlenet") == bool(heads) and all(p.grad is not None and p in opt.state for p in heads)
+
+
 def test_attention_is_accounted_on_fake_cpu_tensors_not_meta():
     # The meta device's attention saves the whole attention matrix; the CPU's flash kernel does not. Fake CPU
     # tensors take the CPU's kernel, as the real step does.

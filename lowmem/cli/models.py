@@ -68,10 +68,26 @@ class _ClassesAtDim1(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
+        if _AUX and isinstance(out, _AUX):
+            # GoogLeNet and Inception v3 train with auxiliary heads. Their logits join the loss with weight 0: the
+            # heads then hold activations, gradients and optimizer state as under auxiliary losses, whose weights
+            # change no bytes (short of the auxiliary cross-entropies' own few bytes, B x classes each).
+            out = out.logits + sum(0.0 * a for a in out[1:] if a is not None)
         if not isinstance(out, torch.Tensor):
             raise SpecError(f"the model returned {type(out).__name__}, not a tensor of logits: wrap it so that forward "
                             "returns the logits (classes last)")
         return out.movedim(-1, 1) if out.dim() > 2 else out
+
+
+def _aux_outputs() -> tuple[type, ...]:
+    try:
+        from torchvision.models import GoogLeNetOutputs, InceptionOutputs
+    except ImportError:
+        return ()
+    return (GoogLeNetOutputs, InceptionOutputs)
+
+
+_AUX = _aux_outputs()
 
 
 def factory(spec: Spec) -> Callable[[], nn.Module]:
@@ -105,8 +121,17 @@ def factory(spec: Spec) -> Callable[[], nn.Module]:
 def build(spec: Spec, device: torch.device | str, seed: int = 0) -> nn.Module:
     """The model on ``device`` (meta: shapes only, no memory), ready for cross-entropy on its output."""
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = factory(spec)()
+    make = factory(spec)
+    try:
+        with torch.device(device):
+            model = make()
+    except NotImplementedError:
+        if torch.device(device).type != "meta":
+            raise
+        # A model that computes its layout with tensors (torchvision's RegNets: widths by torch.arange, then
+        # .tolist()) cannot be built on meta: built on the CPU, then moved. Its weights exist meanwhile.
+        torch.manual_seed(seed)
+        model = make().to("meta")
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.name!r} returned {type(model).__name__}, not an nn.Module")
     return _ClassesAtDim1(model)
