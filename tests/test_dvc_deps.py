@@ -111,7 +111,7 @@ def test_stages_left_out_of_make_repro_keep_every_output_in_git_and_are_named_in
     frozen = sorted(n for n, s in STAGES.items() if s.get("frozen"))
     assert frozen == ["bleu_noise_train", "combination_dynamicconv", "combination_search_wrn", "combination_wrn", "combinations_search_wrn",
                       "combinations_sweep_dynamicconv", "combinations_sweep_wrn", "levers_state_train", "levers_train",
-                      "proxy_noise_train", "translation_activations_train", "translation_kahan_train", "translation_levers_train",
+                      "planner", "proxy_noise_train", "translation_activations_train", "translation_kahan_train", "translation_levers_train",
                       "translation_microbatch_train", "translation_techniques_train"]
     section = (ROOT / "docs" / "pipeline.md").read_text()
     assert "make repro-all" in section
@@ -146,12 +146,12 @@ def stale_stages(status: dict, stages: dict) -> list[str]:
 def test_stale_stages_are_told_apart_from_outputs_a_fresh_clone_lacks() -> None:
     status = {"baseline_train": [{"changed outs": {"data/results/baseline_train.json": "not in cache"}}],
               "baseline": [{"changed deps": {"data/results/baseline_train.json": "deleted"}}],
-              "planner": [{"changed deps": {"lowmem/cli/plan.py": "modified"}}],
+              "memory_profile": [{"changed deps": {"lowmem/memory/accounting.py": "modified"}}],
               "sharding": ["changed command"],
               "precision": [{"changed deps": {"params.yaml": {"precision.modes": "modified"}}}],
               "report": [{"changed deps": {"lowmem/studies/report.py": "deleted"}}],
               "combination_wrn@3": [{"changed deps": {"lowmem/studies/combinations.py": "modified"}}]}
-    assert stale_stages(status, STAGES) == ["planner: lowmem/cli/plan.py modified", "sharding: changed command",
+    assert stale_stages(status, STAGES) == ["memory_profile: lowmem/memory/accounting.py modified", "sharding: changed command",
                                             "precision: params.yaml {'precision.modes': 'modified'}",
                                             "report: lowmem/studies/report.py deleted"]
 
