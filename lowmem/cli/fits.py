@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from lowmem.cli.models import SpecError
-from lowmem.cli.plan import budget_bytes
-from lowmem.cli.profile import Request, account
+from lowmem.cli.plan import budget_bytes, followed
+from lowmem.cli.profile import Request
 from lowmem.memory import devices
 from lowmem.techniques import checkpoint, precision
 from lowmem.techniques.step import Techniques
@@ -49,7 +49,7 @@ def parse_levers(text: str) -> Techniques:
                 fields["checkpoint"] = value
             else:
                 raise ValueError(name)
-            tech = Techniques(**fields)  # type: ignore[arg-type]
+            Techniques(**fields)  # type: ignore[arg-type]  # checks the value
         except ValueError:
             raise SpecError(f"--levers {text!r}: {name!r} is not one of a precision ({', '.join(precision.MODES)}), "
                             "microbatch-N, checkpoint-STRATEGY (block, sqrt, every-K) or activations-BITS, joined by "
@@ -58,10 +58,8 @@ def parse_levers(text: str) -> Techniques:
 
 
 def peak(req: Request, tech: Techniques = Techniques()) -> int:
-    """The accounted peak of ``req``'s step under ``tech`` (a long accumulation is followed over its first three
-    microbatches, as ``lowmem plan`` does)."""
-    b = tech.microbatch
-    return account(req, tech, examples=3 * b if b and req.device_batch // b > 3 else None).peak
+    """The accounted peak of ``req``'s step under ``tech``, as ``lowmem plan`` accounts it."""
+    return followed(req, tech).peak
 
 
 @dataclasses.dataclass(frozen=True)

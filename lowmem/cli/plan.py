@@ -54,6 +54,7 @@ from tqdm import tqdm
 from lowmem.cli import models, plan_output
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
+from lowmem.memory.accounting import MemoryReport
 from lowmem.studies.frontier import beyond_rows
 from lowmem.studies.quality_model import arm_change
 from lowmem.techniques import checkpoint, fused_step
@@ -228,6 +229,13 @@ def combine(lossy: list[tuple[str, dict[str, Any] | None]]) -> tuple[float, floa
 # --- recompute ---------------------------------------------------------------------------------------------------
 
 
+def followed(req: Request, tech: Techniques, segments: list[list[Segment]] | None = None) -> MemoryReport:
+    """``req``'s step under ``tech`` accounted, a long accumulation followed over its first three microbatches (the
+    rest repeat the second's memory, as ``lowmem.wrn.memory`` explains)."""
+    b = tech.microbatch
+    return account(req, tech, examples=3 * b if b and req.device_batch // b > 3 else None, segments=segments)
+
+
 def one_device(req: Request) -> Request:
     """The step one device of ``req`` computes, on its own: its share of the batch, without the sharding wrappers
     (FLOPs and compute time do not depend on them)."""
@@ -351,8 +359,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         key = (tech, opt, step, repr(segments))
         if key not in cache:
             b, B = tech.microbatch, req.device_batch
-            r = account(dataclasses.replace(req, optimizer=opt, step=step), tech, examples=3 * b if b and B // b > 3 else None,
-                        segments=segments)
+            r = followed(dataclasses.replace(req, optimizer=opt, step=step), tech, segments)
             # Over several devices each normalizes over its own share, as a microbatch does: per-device BatchNorm
             # is the microbatch lever at the device's batch (SyncBatchNorm would be exact, and is not run here).
             per_device = req.devices > 1 and has_bn and not tech.microbatch
