@@ -3,19 +3,25 @@ of real training, and the step-time ratio against fp32 measured in one run."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 import torch
+import yaml
 from matplotlib.figure import Figure
 
-from lowmem.config import resolve_device
+from lowmem import runs
+from lowmem.config import ParamError, resolve_device
 from lowmem.memory.accounting import CATEGORIES, MIB, StepFn, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
+from lowmem.studies import quality
 from lowmem.studies.params import PrecisionParams
 from lowmem.techniques import precision
 from lowmem.wrn.models import build_model
@@ -120,6 +126,61 @@ def verified(p: PrecisionParams) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# Stage precision_train is left out of `make repro` (bf16 steps are emulated, about 30 times slower, on a CPU without
+# AVX-512's bf16 or AMX): it trains the runs and measures the step times and the check once, into committed files.
+COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage precision --params "
+           "data/params/precision.yaml --out metrics/precision_train.json && python -m lowmem.studies.precision "
+           "--params data/params/precision.yaml --out metrics/precision_timing.json")
+
+
+def timing_settings(p: PrecisionParams) -> dict[str, Any]:
+    """What the step times and the check depend on: a file measured at other settings is not this one's."""
+    return {"model": p.model, "modes": p.train_modes, "timing_batch_size": p.timing_batch_size,
+            "timing_repeats": p.timing_repeats, "check_batch_size": p.check_batch_size, "device": p.device}
+
+
+def measure(p: PrecisionParams) -> dict[str, Any]:
+    """``step_times`` and ``verified`` at ``p``, with the machine that measured them."""
+    return {"profile": p.profile, "settings": timing_settings(p), "machine": quality.machine(),
+            "times": step_times(p).to_dict("records"), "checks": verified(p).to_dict("records")}
+
+
+def timing(p: PrecisionParams, path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(step times with the machine that measured them, checks) from ``path``, stage precision_train's committed measurement, as it is; a missing
+    file (a notebook opened alone) is measured here, and so is a smoke run where ``path`` holds another profile's,
+    into a file beside it (as ``train_stage.frozen_results``)."""
+    path = Path(path)
+
+    def holds(f: Path) -> bool:
+        r = runs.read_json(f)
+        return r["profile"] == p.profile and r["settings"] == timing_settings(p)
+
+    if path.exists() and not holds(path):
+        beside = path.with_name(f"{path.stem}-{p.profile}{path.suffix}")
+        if p.profile != "smoke" and not (beside.exists() and holds(beside)):
+            raise ParamError(f"{path} was measured at other settings than params.yaml's precision block at profile "
+                             f"{p.profile}; measure again: {COMMAND}")
+        path = beside
+    if not path.exists():
+        runs.write_json(path, measure(p))
+    r = runs.read_json(path)
+    return pd.DataFrame(r["times"]).assign(machine=r["machine"]), pd.DataFrame(r["checks"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Step times of each trained precision mode and the accounted-vs-measured check")
+    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.pipeline.stage_params)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    try:
+        p = PrecisionParams(**yaml.safe_load(args.params.read_text()))
+    except (ParamError, TypeError) as e:
+        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline.stage_params", file=sys.stderr)
+        return 2
+    runs.write_json(args.out, measure(p))
+    return 0
+
+
 # --- what notebook 04 shows: the trained table, captions, the reading, the figure, the tables and the metrics --------
 
 FIXED_PARTS = ["weights_mib", "weight_copies_mib", "gradients_mib", "optimizer_mib"]  # what activations' size leaves
@@ -143,7 +204,7 @@ def memory_caption(p: PrecisionParams) -> str:
 
 def accuracy_caption(p: PrecisionParams, base: BaselineParams, runs: pd.DataFrame, times: pd.DataFrame) -> str:
     """The caption of the trained table (``trained``): recipe, data, seeds, profile, and where it was timed."""
-    device = times.device.iloc[0]
+    device = times.device.iloc[0] + (f" ({times.machine.iloc[0]})" if "machine" in times else "")
     return (f"{base.model} trained {base.epochs} epoch(s), batch {base.batch_size}, on {runs.data.iloc[0]}: "
             f"{int(runs.train_examples.iloc[0])} train / {int(runs.test_examples.iloc[0])} test images, seeds {p.train_seeds}, "
             f"profile `{p.profile}`. Skipped: steps skipped for non-finite gradients (max over seeds). Step time: "
@@ -242,3 +303,7 @@ def metrics(p: PrecisionParams, base: BaselineParams, mem: pd.DataFrame, runs: p
                              "check_gap_pct": round(float(r.check_gap_pct), 3)}
                     for r in acc.itertuples()},
     }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
