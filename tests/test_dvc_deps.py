@@ -111,8 +111,9 @@ def test_stages_left_out_of_make_repro_keep_every_output_in_git_and_are_named_in
     frozen = sorted(n for n, s in STAGES.items() if s.get("frozen"))
     assert frozen == ["bleu_noise_train", "combination_dynamicconv", "combination_search_wrn", "combination_wrn", "combinations_search_wrn",
                       "combinations_sweep_dynamicconv", "combinations_sweep_wrn", "levers_state_train", "levers_train",
-                      "planner", "precision_train", "proxy_noise_train", "translation_activations_train", "translation_kahan_train",
-                      "translation_levers_train", "translation_microbatch_train", "translation_techniques_train"]
+                      "microbatching_train", "planner", "precision_train", "proxy_noise_train", "translation_activations_train",
+                      "translation_kahan_train", "translation_levers_train", "translation_microbatch_train",
+                      "translation_techniques_train"]
     section = (ROOT / "docs" / "pipeline.md").read_text()
     assert "make repro-all" in section
     for name in frozen:

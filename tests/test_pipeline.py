@@ -21,7 +21,7 @@ from lowmem import runs
 from lowmem.pipeline import stage_times
 
 ROOT = Path(__file__).parents[1]
-TRAINING = ["baseline_train", "sparsity_train", "microbatching_train", "translation_train"]
+TRAINING = ["baseline_train", "sparsity_train", "translation_train"]
 pytestmark = pytest.mark.slow
 
 
@@ -70,7 +70,7 @@ def test_every_distinct_run_is_trained_once_and_shared_between_stages(repo: Path
     for r in here:
         assert len(r["trained_by"]) == 1 and r["trained_by"][0] in r["stages"]
     # The fp32 reference run of seed 0 serves the baseline and every WRN study that trains; it is trained once.
-    wrn = {"baseline_train", "sparsity_train", "microbatching_train"}
+    wrn = {"baseline_train", "sparsity_train"}
     shared = [r for r in here if wrn <= set(r["stages"])]
     assert len(shared) == 1 and len(shared[0]["trained_by"]) == 1  # by whichever of them DVC ran first
     assert sum(len(r["stages"]) for r in here) == len(here) + len(wrn) - 1

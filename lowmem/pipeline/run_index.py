@@ -46,7 +46,7 @@ def _uses(results: Path, metrics: Path) -> Iterator[tuple[str, str, bool, bool]]
     for r in runs.read_json(techniques)["trained"] if techniques.exists() else []:
         if "key" in r:
             yield "translation_techniques_train", r["key"], r["trained"], False
-    for stage in ("precision_train", "proxy_noise_train", "bleu_noise_train"):
+    for stage in ("microbatching_train", "precision_train", "proxy_noise_train", "bleu_noise_train"):
         noise = metrics / f"{stage}.json"
         for r in runs.read_json(noise)["runs"] if noise.exists() else []:
             yield stage, r["key"], r["trained"], False

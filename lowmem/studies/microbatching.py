@@ -19,6 +19,11 @@ from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.recipe import make_optimizer
 from lowmem.wrn.train import Techniques, summarize, train_step
 
+# Stage microbatching_train is left out of `make repro` for time (twelve WRN runs, eight of them at microbatches of
+# 4 and 8 images, the slowest steps of the default pipeline on an AVX2-only CPU): its runs are committed.
+COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage microbatching --params "
+           "data/params/microbatching.yaml --out metrics/microbatching_train.json")
+
 
 def memory(p: MicrobatchingParams) -> pd.DataFrame:
     """Accounted breakdown at the step's peak for each normalization and microbatch size, at batch ``p.batch_size``."""
