@@ -96,6 +96,18 @@ def test_every_stage_keeps_an_output_a_fresh_clone_lacks() -> None:
         assert cached, f"stage {name} has no DVC-cached output; a fresh clone would skip it"
 
 
+def test_the_run_index_depends_on_every_training_stages_results_where_that_stage_writes_them() -> None:
+    """The run index reads each training stage's ``*_train.json``: from data/results for a default stage, from
+    metrics/ for one left out of `make repro` (a fresh clone has only the committed file). A dep on the other place
+    fails the index in a fresh clone."""
+    written = {Path(path).name: path for stage in STAGES.values() if "foreach" not in stage
+               for o in stage.get("outs", []) + stage.get("metrics", [])
+               for path in [next(iter(o)) if isinstance(o, dict) else o] if Path(path).name.endswith("_train.json")}
+    deps = {Path(d).name: d for d in STAGES["runs"]["deps"] if d.endswith("_train.json")}
+    assert {n: written[n] for n in deps if n in written} == {n: deps[n] for n in deps if n in written}
+    assert {"precision_train.json", "microbatching_train.json", "baseline_train.json"} <= deps.keys()
+
+
 def test_no_committed_result_is_deleted_before_its_stage_succeeds() -> None:
     for name, stage in STAGES.items():
         for o in stage.get("outs", []) + stage.get("metrics", []) + stage.get("plots", []):
