@@ -44,11 +44,32 @@ def test_each_stage_is_reported_as_it_finishes_so_a_stopped_run_keeps_them(tmp_p
     assert rc == 0 and reported == ["a"] and [n for n, _ in times] == ["a", "b"]
 
 
+def _fail(lines: str) -> list[str]:
+    return [sys.executable, "-c", f"import sys; sys.stdout.write({lines!r}); sys.exit(1)"]
+
+
 def test_the_failed_stage_gets_no_time_and_older_times_are_kept(tmp_path: Path) -> None:
+    # DVC names the stage that failed; it may be one that never started (a missing dep), so b finished here.
+    assert [n for n, _ in stage_times.timed(_fail("Running stage 'a':\nRunning stage 'b':\nERROR: failed to reproduce 'c': x\n"))[1]] == ["a", "b"]
+    assert [n for n, _ in stage_times.timed(_fail("Running stage 'a':\nRunning stage 'b':\nERROR: failed to reproduce 'b': x\n"))[1]] == ["a"]
+    assert [n for n, _ in stage_times.timed(_fail("Running stage 'a':\nRunning stage 'b':\n"))[1]] == ["a"]  # killed in b
     table = tmp_path / "t"
     pd.DataFrame([{"stage": "old", "seconds": 5.0, "measured": "2026-01-01", "profile": "cpu"}]).to_csv(table.with_suffix(".csv"), index=False)
-    merged = stage_times.update(table, [("a", 1.0), ("b", 2.0)], "cpu", ok=False)
+    merged = stage_times.update(table, [("a", 1.0)], "cpu")
     assert merged.stage.tolist() == ["old", "a"]
+
+
+def test_a_run_after_a_failed_one_resumes_it_in_the_summary(tmp_path: Path) -> None:
+    state = tmp_path / "s.json"
+    first = stage_times.latest_run(state, [("a", 60.0), ("b", 120.0)], "cpu", "X (AVX2)", ok=False)
+    assert (first["stages"], first["minutes"], first["resumed"]) == (2, 3.0, 0)
+    assert stage_times.summary(first).startswith("Latest (failed) `make repro`: 2 stage(s) in 3.0 min at")
+    second = stage_times.latest_run(state, [("c", 30.0)], "cpu", "X (AVX2)", ok=True)
+    assert (second["stages"], second["minutes"], second["resumed"], second["ok"]) == (3, 3.5, 1, True)
+    assert "3 stage(s) in 3.5 min (resumed 1 time(s) after a failure)" in stage_times.summary(second)
+    # after a run that succeeded, or on another CPU, a run counts alone
+    assert stage_times.latest_run(state, [("a", 6.0)], "cpu", "X (AVX2)", ok=False)["stages"] == 1
+    assert stage_times.latest_run(state, [("b", 6.0)], "cpu", "Y (AVX-512)", ok=True)["stages"] == 1
 
 
 def test_repro_all_runs_without_the_frozen_marks_and_puts_dvc_yaml_back(tmp_path: Path) -> None:
@@ -98,9 +119,9 @@ def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp
     assert stage_times.cpu_class(CPUINFO.replace("avx2", "avx2 avx512f amx_bf16")) == "AMD EPYC 7B13 (AVX-512, AMX)"
     table = tmp_path / "t"
     pd.DataFrame([{"stage": "a", "seconds": 5.0, "measured": "2026-01-01", "profile": "cpu"}]).to_csv(table.with_suffix(".csv"), index=False)
-    t = stage_times.update(table, [("a", 9.0), ("b", 2.0)], "cpu", ok=True, cpu="X (AVX2)", made_by="abc1234")
+    t = stage_times.update(table, [("a", 9.0), ("b", 2.0)], "cpu", cpu="X (AVX2)", made_by="abc1234")
     t.to_csv(table.with_suffix(".csv"), index=False)
-    t = stage_times.update(table, [("a", 4.0)], "cpu", ok=True, cpu="Y (AVX-512)", made_by="def5678")
+    t = stage_times.update(table, [("a", 4.0)], "cpu", cpu="Y (AVX-512)", made_by="def5678")
     shown = stage_times.by_cpu(t)
     assert sorted(c for c in shown.columns if c.startswith("seconds")) == [
         "seconds: X (AVX2)", "seconds: Y (AVX-512)", "seconds: not recorded"]
@@ -108,6 +129,6 @@ def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp
     assert (a["seconds: X (AVX2)"], a["seconds: Y (AVX-512)"], a["seconds: not recorded"], a["commit"]) == (9.0, 4.0, 5.0, "def5678")
     b = shown.set_index("stage").loc["b"]
     assert b["seconds: X (AVX2)"] == 2.0 and pd.isna(b["seconds: Y (AVX-512)"]) and b["commit"] == "abc1234"
-    line = stage_times.summary(2, 1.5, "cpu", "X (AVX2)", True)
+    line = stage_times.summary({"stages": 2, "minutes": 1.5, "profile": "cpu", "cpu": "X (AVX2)", "ok": True, "resumed": 0})
     assert line == ("Latest `make repro`: 2 stage(s) in 1.5 min at profile `cpu` on X (AVX2), 2 cores (the commit of each "
                     "stage: figures/stage_times.md).\n")

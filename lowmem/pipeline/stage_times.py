@@ -19,6 +19,7 @@ it as it was. DVC has no timing report of its own (``dvc repro`` keeps none in `
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import yaml
@@ -35,6 +37,7 @@ from lowmem.pipeline import docs, outputs
 STARTED = re.compile(r"^Running stage '([^']+)':")
 FROZEN = re.compile(r"^    frozen: true\b.*\n", re.MULTILINE)
 Done = Callable[[str, float], None]
+FAILED = re.compile(r"^ERROR: failed to reproduce '([^']+)'")
 FROZEN_WARNING = re.compile(r"^WARNING: stage: '[^']+' is frozen\. Its dependencies are not going to be reproduced\.$")
 
 
@@ -73,18 +76,23 @@ def timed_all(dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tu
 
 
 def timed(cmd: list[str], done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
-    """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) in the order they ran.
-    ``done(stage, seconds)`` is called as each stage finishes (the next one starts), so that a run stopped midway
-    keeps the times of the stages it finished."""
+    """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) of the stages that finished, in
+    the order they ran. ``done(stage, seconds)`` is called as each stage finishes (the next one starts), so that a
+    run stopped midway keeps the times of the stages it finished. The stage DVC names as failed gets no time; DVC can
+    fail a stage before it starts it (a missing dep), and then every stage that started finished. A run that stops
+    without naming one (killed) did not finish the stage it was in."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     starts: list[tuple[str, float]] = []
     frozen = 0
+    failed: str | None = None
     for line in proc.stdout:
         if FROZEN_WARNING.match(line):  # by design, once per left-out stage: a summary line below says it once
             frozen += 1
             continue
         sys.stdout.write(line)
+        f = FAILED.match(line)
+        failed = f.group(1) if f else failed
         m = STARTED.match(line)
         if m:
             if starts and done:
@@ -95,7 +103,10 @@ def timed(cmd: list[str], done: Done | None = None) -> tuple[int, list[tuple[str
         print(f"{frozen} stage(s) left out of the default pipeline kept their committed results (`make repro-all` runs them)")
     end = time.monotonic()
     ends = [t for _, t in starts[1:]] + [end]
-    return rc, [(name, round(e - t, 1)) for (name, t), e in zip(starts, ends)]
+    times = [(name, round(e - t, 1)) for (name, t), e in zip(starts, ends)]
+    if rc != 0 and times and failed is None:
+        times = times[:-1]
+    return rc, [(name, t) for name, t in times if name != failed]
 
 
 def cpu_class(cpuinfo: str | None = None) -> str:
@@ -141,7 +152,7 @@ def write_frozen(out: Path) -> None:
                        "`make repro-all` reruns them.")
 
 
-def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool, cpu: str = "not recorded",
+def update(table: Path, times: list[tuple[str, float]], profile: str, cpu: str = "not recorded",
            made_by: str = "not recorded") -> pd.DataFrame:
     """The stage-time table with this run's times: one row per stage and CPU class, the latest of each kept."""
     old = pd.read_csv(table.with_suffix(".csv")) if table.with_suffix(".csv").exists() else pd.DataFrame()
@@ -151,18 +162,32 @@ def update(table: Path, times: list[tuple[str, float]], profile: str, ok: bool, 
     today = time.strftime("%Y-%m-%d")
     new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile, "cpu": cpu, "commit": made_by}
                         for s, t in times])
-    if not ok and len(new):
-        new = new.iloc[:-1]  # the stage that failed did not finish: its time is not a stage time
     if len(old) and len(new):
         old = old[~(old.stage.isin(new.stage) & (old.cpu == cpu))]
     return pd.concat([old, new], ignore_index=True)
 
 
-def summary(stages: int, minutes: float, profile: str, cpu: str, ok: bool) -> str:
+def latest_run(state: Path, times: list[tuple[str, float]], profile: str, cpu: str, ok: bool) -> dict[str, Any]:
+    """The latest ``make repro`` as {stages, minutes, profile, cpu, ok, resumed}, written to ``state``. A run that
+    follows a failed one on the same CPU and profile resumes it (DVC skips the stages that finished, and a failed
+    stage has no time), so the two count as one run."""
+    run = {"stages": len(times), "minutes": round(sum(t for _, t in times) / 60, 2), "profile": profile, "cpu": cpu,
+           "ok": ok, "resumed": 0}
+    prev = json.loads(state.read_text()) if state.exists() else None
+    if prev and not prev["ok"] and (prev["cpu"], prev["profile"]) == (cpu, profile):
+        run.update(stages=prev["stages"] + run["stages"], minutes=round(prev["minutes"] + run["minutes"], 2),
+                   resumed=prev["resumed"] + 1)
+    state.write_text(json.dumps(run, indent=2) + "\n")
+    return run
+
+
+def summary(run: dict[str, Any]) -> str:
     """The latest run in one line, for the README (embedded by ``lowmem.pipeline.docs``); the commits stay in the
     stage table, since the README holds no history."""
-    return (f"{'Latest' if ok else 'Latest (failed)'} `make repro`: {stages} stage(s) in {minutes:.1f} min at profile "
-            f"`{profile}` on {cpu}, 2 cores (the commit of each stage: figures/stage_times.md).\n")
+    resumed = f" (resumed {run['resumed']} time(s) after a failure)" if run["resumed"] else ""
+    return (f"{'Latest' if run['ok'] else 'Latest (failed)'} `make repro`: {run['stages']} stage(s) in "
+            f"{run['minutes']:.1f} min{resumed} at profile `{run['profile']}` on {run['cpu']}, 2 cores (the commit of "
+            f"each stage: figures/stage_times.md).\n")
 
 
 def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
@@ -191,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_class()
 
     def save(times: list[tuple[str, float]], ok: bool) -> pd.DataFrame:
-        table = update(args.out, times, profile, ok, cpu, made_by)
+        table = update(args.out, times, profile, cpu, made_by)
         outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
                            f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
                            f"of its outputs; commit: the checkout that made the stage's figures (+changes: with "
@@ -209,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     rc, times = timed_all(done=done) if args.all else timed(cmd, done)
     if times:
         save(times, rc == 0)
-        total = sum(t for _, t in times)
-        Path(f"{args.out}_summary.md").write_text(summary(len(times), total / 60, profile, cpu, rc == 0))
+        run = latest_run(Path(f"{args.out}_summary.json"), times, profile, cpu, rc == 0)
+        Path(f"{args.out}_summary.md").write_text(summary(run))
         write_frozen(Path(f"{args.out}_frozen"))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
     # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
