@@ -169,8 +169,6 @@ def test_stale_stages_are_told_apart_from_outputs_a_fresh_clone_lacks() -> None:
                                             "report: lowmem/studies/report.py deleted"]
 
 
-@pytest.mark.xfail(strict=True, reason="main's figures predate its code: the full `make repro` on this AVX2 machine that "
-                   "refreshes them runs over two sessions (issue 49); strict, so this marker fails once they are current")
 def test_no_default_stage_is_stale() -> None:
     """Main's figures come from main's code: run what a change touched (dvc repro), then commit dvc.lock and the
     outputs. Frozen stages are left out (their results are committed; docs/pipeline.md)."""
