@@ -56,6 +56,9 @@ GROUP = "pipeline-and-notebooks"
 # a group of their own, in the same order: xdist runs it beside the pipeline's group, on either worker, not after it.
 ACCOUNTING_NOTEBOOKS = ("12", "13")
 ACCOUNTING_GROUP = "accounting-notebooks"
+# Modules whose expensive module-scoped fixtures (a trained fairseq model, a binarized corpus) would otherwise be
+# built once on each worker: each module's tests share one worker, as a group of its own.
+ONE_WORKER_MODULES = ("test_translation.py", "test_translation_techniques.py", "test_translation_microbatch.py")
 SESSION_START = time.time()
 
 
@@ -68,6 +71,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # xdist 3.8.0 groups by the "@group" suffix of a nodeid, which it writes to item._nodeid; pytest 9.2 reads
             # the nodeid from item._id, so the suffix is set there (xdist's own rewrite then has no effect).
             item._id = NodeId.parse(f"{item.nodeid}@{ACCOUNTING_GROUP if _notebook_number(item) in ACCOUNTING_NOTEBOOKS else GROUP}")
+        elif item.path.name in ONE_WORKER_MODULES and getattr(config.option, "loadgroup", False):
+            item._id = NodeId.parse(f"{item.nodeid}@{item.path.stem}")
     items.sort(key=lambda item: item.path.name == METRICS_TESTS)  # stable: everything else keeps its order
 
 

@@ -98,6 +98,11 @@ def test_make_repro_refreshes_the_readme_and_docs_embedded_tables(tmp_path: Path
     (tmp_path / "docs" / "p.md").write_text(block.format("| a |\n|---|\n| 1 |"))
     assert stage_times.main(["--out", "figures/stage_times", "--", *_echo("Running stage 'a':\n")]) == 0
     assert (tmp_path / "docs" / "p.md").read_text() == block.format("| a |\n|---|\n| 2 |")
+    # A command other than `make repro`'s (named stages, say) times its stages but is not the README's run.
+    assert (tmp_path / "figures" / "stage_times.csv").exists() and not (tmp_path / "figures" / "stage_times_summary.md").exists()
+    monkeypatch.setattr(stage_times, "timed", lambda cmd, done=None: (0, [("a", 60.0)]) if cmd == ["dvc", "repro"] else (1, []))
+    assert stage_times.main(["--out", "figures/stage_times"]) == 0
+    assert (tmp_path / "figures" / "stage_times_summary.md").read_text().startswith("Latest `make repro`: 1 stage(s) in 1.0 min")
 
 
 def test_dvcs_warning_for_each_left_out_stage_becomes_one_line(capsys) -> None:

@@ -79,6 +79,13 @@ def model_args(train_args: list[str]) -> argparse.Namespace:
     return training_options(train_args)[0]
 
 
+def step_options(train_args: list[str]) -> tuple[argparse.Namespace, Any]:
+    """``training_options`` of the command line as an update runs it: the recipe's Adam where the command names no
+    optimizer (a later --optimizer overrides it). The accountant reads this parse too, so that one account composes
+    Hydra's config once, not twice."""
+    return training_options(["--optimizer", "adam", *train_args])
+
+
 def build(train_args: list[str] | argparse.Namespace, src_vocab: int, tgt_vocab: int, device: str | torch.device = "meta") -> tuple[torch.nn.Module, Any]:
     """(model, task-like holder of the two dictionaries) for a command line's architecture (or its parsed options)."""
     args = train_args if isinstance(train_args, argparse.Namespace) else model_args(train_args)
@@ -142,8 +149,7 @@ def fairseq_step(
     then goes on with the next size or the optimizer. From the second on, equal batches find the same tensors alive
     (the gradients are allocated, every batch's inputs were made up front) and leave them as they found them, so the
     ones skipped repeat the second's bytes exactly; a test compares the peaks with and without."""
-    # The recipe's Adam when the command names no optimizer (a later --optimizer overrides it).
-    args, cfg = training_options(["--optimizer", "adam", *train_args])
+    args, cfg = step_options(train_args)
     k = cfg.optimization.update_freq[0]
     batch = tokens // k // length
     if not 0 < length <= tokens or batch < 1:
@@ -239,7 +245,7 @@ def account(recipe_args: list[str], src_vocab: int, tgt_vocab: int, tokens: int,
     (``lowmem.techniques.precision.shapes_only``): autocast acts on a device type, and meta is none."""
     ctx: Any = nullcontext()
     if device == "meta":
-        mode = getattr(model_args(recipe_args), "precision", None) or "fp32"
+        mode = getattr(step_options(recipe_args)[0], "precision", None) or "fp32"
         if mode == "mixed-bf16" or shard.active:
             if "--sparsity" in recipe_args:
                 # sparsify draws its pattern from values, which fake tensors do not have (lowmem.wrn.memory lays a
