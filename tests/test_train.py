@@ -114,8 +114,8 @@ def test_a_run_keeps_its_per_example_correctness_even_when_resumed_after_its_las
 def test_a_kahan_run_resumes_with_its_compensation_and_is_not_the_recipes_run(tmp_path: Path) -> None:
     """torch-optimi's SGD in half-bf16: its momentum and Kahan buffers go into the checkpoint and come back, so a
     resumed run ends where an uninterrupted one does; the optimizer is part of the run's key."""
-    # A quarter of the synthetic set: bf16 steps are emulated, and slow, on a CPU without bf16 instructions.
-    p, tech = tiny(tmp_path, epochs=2, train_subset=128, test_subset=64), Techniques(precision="half-bf16", optimizer="optimi-sgd")
+    # An eighth of the synthetic set: bf16 steps are emulated, and slow, on a CPU without bf16 instructions.
+    p, tech = tiny(tmp_path, epochs=2, train_subset=64, test_subset=32), Techniques(precision="half-bf16", optimizer="optimi-sgd")
     whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
     resumed = killed_after_epoch_then_resumed(p, 1, tmp_path / "cut", tech)
     assert results(resumed) == results(whole)
@@ -126,7 +126,7 @@ def test_a_kahan_run_resumes_with_its_compensation_and_is_not_the_recipes_run(tm
 def test_an_8bit_momentum_run_with_dsr_resumes_exactly_and_is_its_own_run(tmp_path: Path) -> None:
     """bitsandbytes' 8-bit momentum under DSR rewiring (which requantizes it) and half-bf16: its codes, block maxima
     and code book go into the checkpoint and come back, so a resumed run ends where an uninterrupted one does."""
-    p, tech = tiny(tmp_path, epochs=2, train_subset=128, test_subset=64), Techniques(sparsity=0.5, precision="half-bf16", optimizer="bnb-sgd8bit",
+    p, tech = tiny(tmp_path, epochs=2, train_subset=64, test_subset=32), Techniques(sparsity=0.5, precision="half-bf16", optimizer="bnb-sgd8bit",
                                                    dsr_periods=(1, 1, 1, 1))
     whole = train(p, 0, tech, progress=False, root=tmp_path / "whole")
     cut = tmp_path / "cut"
