@@ -3,7 +3,7 @@
     python -m lowmem.pipeline.stage_times [--all] [--out figures/stage_times] [-- dvc repro ARGS...]
 
 ``--all`` (``make repro-all``) also runs the stages that dvc.yaml marks ``frozen: true``, the ones left out of the
-default pipeline to keep it within an hour. DVC never runs a frozen stage and cannot unfreeze a matrix stage
+default pipeline to keep it within its time budget. DVC never runs a frozen stage and cannot unfreeze a matrix stage
 (``dvc unfreeze`` refuses parametrized stages), so dvc.yaml is rewritten without the marks for that part of the run
 and put back afterwards, whatever happens. And each ``dvc repro`` writes a frozen stage into dvc.lock as its deps
 stand, so the lock calls a frozen stage up to date whatever made its outputs: ``--all`` therefore forces the left-out
