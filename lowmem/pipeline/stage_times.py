@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["make", "repro-all"] if args.all else cmd
     cpu = cpu_class()
 
-    def save(times: list[tuple[str, float]], ok: bool) -> pd.DataFrame:
+    def save(times: list[tuple[str, float]]) -> pd.DataFrame:
         table = update(args.out, times, profile, cpu, made_by)
         outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
                            f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
@@ -229,11 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def done(stage: str, seconds: float) -> None:  # a run stopped midway keeps its finished stages' times
         finished.append((stage, seconds))
-        save(finished, True)
+        save(finished)
 
     rc, times = timed_all(done=done) if args.all else timed(cmd, done)
     if times:
-        save(times, rc == 0)
+        save(times)
         if args.all or cmd == ["dvc", "repro"]:  # the README's line is `make repro`'s; a rerun of named stages is not one
             run = latest_run(Path(f"{args.out}_summary.json"), times, profile, cpu, rc == 0)
             Path(f"{args.out}_summary.md").write_text(summary(run))
