@@ -56,9 +56,11 @@ GROUP = "pipeline-and-notebooks"
 # a group of their own, in the same order: xdist runs it beside the pipeline's group, on either worker, not after it.
 ACCOUNTING_NOTEBOOKS = ("12", "13")
 ACCOUNTING_GROUP = "accounting-notebooks"
-# Modules whose expensive module-scoped fixtures (a trained fairseq model, a binarized corpus) would otherwise be
-# built once on each worker: each module's tests share one worker, as a group of its own.
-ONE_WORKER_MODULES = ("test_translation.py", "test_translation_techniques.py", "test_translation_microbatch.py")
+# Modules whose expensive module-scoped fixtures (a trained fairseq model, a binarized corpus, the GPU check's dry run,
+# a planned table) would otherwise be built once on each worker: each module's tests share one worker, as a group of
+# its own.
+ONE_WORKER_MODULES = ("test_translation.py", "test_translation_techniques.py", "test_translation_microbatch.py",
+                      "test_gpu_check.py", "test_plan_output.py")
 SESSION_START = time.time()
 
 

@@ -431,6 +431,7 @@ def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
     and is accounted afresh when it is not: asserting the two peaks equal still checks that the command printed is the
     command accounted. Returns the accounting itself, not remembered, for a test to check that an account made
     afresh, after the others, is the remembered one (nothing the others left behind changes it)."""
+    from lowmem.cli import plan_fairseq
     from lowmem.dynamicconv import memory as fairseq_memory
 
     seen = FAIRSEQ_ACCOUNTS  # shared by the tests that plan the same request: the accounting is a pure function
@@ -443,7 +444,21 @@ def fairseq_accounts(monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
         return seen[key]
 
     monkeypatch.setattr(fairseq_memory, "account", account)
+    # The planner's logic does not depend on the model's size, so these tests plan a small lightconv (one layer each
+    # side, 64 wide): each account then takes a fraction of a second, not the full-size model's seconds. The
+    # embeddings keep 64 x 64 = 4096 weights, bitsandbytes' least size for 8-bit state (smaller tensors keep 32-bit
+    # moments, and the 8-bit rows would save nothing). The printed commands carry these flags, so every account of a
+    # printed command below is of the model planned. (Other architectures, which take other flags, stay as they are.)
+    base_args = plan_fairseq.base_args
+    monkeypatch.setattr(plan_fairseq, "base_args",
+                        lambda req: [*base_args(req), *(SMALL_LIGHTCONV if req.spec.name == plan_fairseq.PLUGIN_ARCH else [])])
     return real
+
+
+SMALL_LIGHTCONV = [arg for side in ("encoder", "decoder")
+                   for flag, value in (("embed-dim", "64"), ("ffn-embed-dim", "128"), ("layers", "1"),
+                                       ("kernel-size-list", "[3]"), ("attention-heads", "2"))
+                   for arg in (f"--{side}-{flag}", value)]
 
 
 def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_freq(fairseq_accounts: Callable[..., Any]) -> None:

@@ -241,9 +241,16 @@ def test_fsdp_measured_in_one_process_with_the_fake_group_is_the_account(mode):
     assert abs(profile.account(req, workspace=CPUWorkspace()).peak - measured) <= 1e-5 * measured
 
 
-def test_a_fairseq_profile_over_devices_is_the_sharded_update_and_its_plan_is_refused():
+def test_a_fairseq_profile_over_devices_is_the_sharded_update_and_its_plan_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from lowmem.dynamicconv import memory as fairseq_memory
 
+    # A tiny lightconv (tests/test_translation.py's): how the update is sharded does not depend on the model's size,
+    # and each full-size account takes seconds.
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_translation import TINY_MODEL
+
+    fairseq_args = profile._fairseq_args
+    monkeypatch.setattr(profile, "_fairseq_args", lambda req, tech: [*fairseq_args(req, tech), *TINY_MODEL[2:]])
     req = Request("fairseq:lightconv_iwslt_de_en", 16, (16,), "adam", vocab=1000, devices=2, shard="full")
     args = profile._fairseq_args(req, profile.Techniques())
     shard = fairseq_memory.account(args, 1000, 1000, 16 * 16 // 2, 16, shard=req.sharding).peak
