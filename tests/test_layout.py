@@ -3,6 +3,7 @@ dynamicconv) → techniques → memory, and the two tracks never import each oth
 resolver) and ``runs`` (the run store) serve every layer and import no other lowmem module."""
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,31 @@ def test_the_rule_would_catch_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from lowmem.studies.frontier import pareto\n")
     assert "lowmem.studies.frontier" in _imports(bad)
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (module -> the modules it imports), or None."""
+    try:
+        tuple(graphlib.TopologicalSorter(graph).static_order())
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return None
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    """Imports inside functions count: they hide a circle from Python, not from a reader."""
+    graph = {m: {t for t in _imports(f) if t in MODULES and t != m} for m, f in MODULES.items()}
+    circle = _circle(graph)
+    assert circle is None, f"import circle: {' -> '.join(circle)}; move what both need below them"
+
+
+def test_the_circle_rule_would_catch_a_lazy_circle(tmp_path: Path) -> None:
+    a = tmp_path / "a.py"
+    a.write_text("from lowmem.cli import plan\n")
+    b = tmp_path / "b.py"
+    b.write_text("def f():\n    from lowmem.cli import profile\n")
+    circle = _circle({"lowmem.cli.profile": _imports(a), "lowmem.cli.plan": _imports(b)})
+    assert circle is not None and set(circle) == {"lowmem.cli.plan", "lowmem.cli.profile"}
 
 
 def test_the_fairseq_user_dir_is_alone_in_its_parent() -> None:

@@ -148,13 +148,13 @@ def test_10_proxy_noise_narrows_with_seeds_and_needs_more_seeds_for_a_tighter_ta
 
 
 def test_12_planner_reports_the_accountants_peak_and_only_configurations_that_fit(notebook_metrics: Callable[[str, str], dict]) -> None:
-    from lowmem.cli import crosscheck, params, plan, profile
+    from lowmem.cli import crosscheck, plan, profile
 
     m = notebook_metrics("12_planner", "planner")
     p = config.load("planner")
     for entry in p.models:
         got = m["models"][entry["name"]]
-        assert got["peak_bytes"] == profile.account(params.request(entry)).peak
+        assert got["peak_bytes"] == profile.account(profile.request(entry)).peak
         assert sum(got["at_peak_bytes"].values()) == got["peak_bytes"]
         assert list(got["budgets"]) == p.budgets
         for budget, b in got["budgets"].items():

@@ -30,7 +30,7 @@ from torch.distributed._tools.sac_estimator import SACEstimator
 from torch.utils.flop_counter import flop_registry
 
 from lowmem.cli import models
-from lowmem.cli.profile import Request, account, chain_costs, chains, step_of
+from lowmem.cli.profile import Request, account, chain_costs, chains, request, step_of
 from lowmem.techniques import checkpoint
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.techniques import precision
@@ -219,13 +219,12 @@ def sac_table(requests: list[Request] | None = None) -> Any:
     import pandas as pd
     import yaml
 
-    from lowmem.cli import params  # which imports this module, for FAMILIES
     from lowmem.config import PARAMS_YAML, resolve
 
     if requests is None:
         all_params = yaml.safe_load(PARAMS_YAML.read_text())
         block = resolve("planner", {**all_params, "base": {**all_params["base"], "profile": "cpu"}})
-        requests = [params.request(m) for m in block["sac_models"]]
+        requests = [request(m) for m in block["sac_models"]]
     return pd.DataFrame([r for req in requests for r in sac_ilp(req)])
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lowmem.cli import crosscheck, models
-from lowmem.cli.models import SpecError, shape
+from lowmem.cli.models import SpecError
 from lowmem.cli.plan import OPTIMIZER_STATE, Levers, budget_bytes
-from lowmem.cli.profile import STEPS, Request
+from lowmem.cli.profile import STEPS, request
 from lowmem.config import PROFILES, ParamError, check_choice, stage
 from lowmem.techniques import sharding
 
@@ -17,11 +17,6 @@ MODEL_KEYS = {"name", "model", "batch", "input", "optimizer"}  # one model: a Re
 # default: the given optimizer only, since each more setting costs the stage as much time again), and which steps
 # (lowmem.cli.profile.STEPS; default: the plain step only).
 PLAN_KEYS = {"optimizer_state", "step"}
-
-
-def request(m: dict) -> Request:
-    """A model entry of params.yaml as the profile's Request."""
-    return Request(m["model"], m["batch"], shape(str(m["input"])), m["optimizer"])
 
 
 def levers(m: dict) -> Levers:

@@ -41,7 +41,6 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +50,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from lowmem.cli import models, plan_output
+from lowmem.cli import models, plan_fairseq, plan_output
 from lowmem.cli.models import SpecError
+from lowmem.cli.plan_rules import combine, first_fitting
 from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
 from lowmem.memory.accounting import MemoryReport
 from lowmem.studies.frontier import beyond_rows
@@ -208,24 +208,6 @@ def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], d
     return combine([(f"{k}={v}", effects.get((k, v))) for k, v in lossy])
 
 
-def combine(lossy: list[tuple[str, dict[str, Any] | None]]) -> tuple[float, float, str]:
-    """(sum of the effects, sum of their intervals' low ends, a label naming each with its interval, task and
-    seeds); NaN where one is unmeasured. The low end is what the plan ranks by: a lever measured as +0.01
-    [-1.79, +1.80] is not as safe as one proven exact."""
-    if not lossy:
-        return 0.0, 0.0, "exact"
-    total, low, parts = 0.0, 0.0, []
-    for label, e in lossy:
-        if e is None:
-            total = low = math.nan
-            parts.append(f"{label}: unmeasured")
-        else:
-            total, low = total + e["change"], low + e["low"]
-            seeds = f", {e['n']} seeds" if "n" in e else ""
-            parts.append(f"{label}: {e['change']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}] ({e['where']}{seeds})")
-    return total, low, "; ".join(parts)
-
-
 # --- recompute ---------------------------------------------------------------------------------------------------
 
 
@@ -309,21 +291,6 @@ def pareto(df: pd.DataFrame) -> pd.Series:
                       for i, p in enumerate(pts)], index=df.index)
 
 
-def first_fitting(n: int, fits: Callable[[int], bool]) -> int | None:
-    """The first of indices 0..n-1 where ``fits``, by bisection (``fits`` false, then true, along them), or None
-    when the last does not fit."""
-    lo, hi = 0, n - 1
-    if not fits(hi):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return hi
-
-
 def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: bool = False,
               max_loss: float | None = None, progress: bool = True, root: Path = ROOT, levers: Levers = Levers(),
               cache: dict[Any, dict[str, Any]] | None = None) -> Plan:
@@ -338,8 +305,6 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
                             "with lowmem profile fairseq:ARCH ... --devices N --shard MODE")
         if "plain" not in levers.step:
             raise SpecError("a fairseq architecture takes fairseq-train's own step, after backward: add --step plain")
-        from lowmem.cli import plan_fairseq  # which imports this module's combine
-
         return _choose(pd.DataFrame(plan_fairseq.rows(req, budget, progress, root, levers.optimizer_state)), budget,
                        exact_only, max_loss)
     req = dataclasses.replace(req, step="plain")  # the reference step; the step lever says which steps are tried

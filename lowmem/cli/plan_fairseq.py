@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from lowmem.cli import plan_output
 from lowmem.cli.models import SpecError
-from lowmem.cli.plan import combine, first_fitting
+from lowmem.cli.plan_rules import combine, first_fitting
 from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request, _HostScalars
 
 PLUGIN_ARCH = "lightconv_iwslt_de_en"  # the architecture lowmem's plugin extends (as lowmem_lightconv_iwslt_de_en)

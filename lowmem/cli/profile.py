@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lowmem.cli import models
-from lowmem.cli.models import Spec, SpecError
+from lowmem.cli.models import Spec, SpecError, shape
 from lowmem.memory.accounting import MemoryReport, Workspace, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
 from lowmem.techniques import fused_step, optimizers, precision, sharding
@@ -104,6 +104,11 @@ class Request:
     @property
     def spec(self) -> Spec:
         return models.parse(self.model)
+
+
+def request(m: dict) -> Request:
+    """A model entry of params.yaml (``model``, ``batch``, ``input``, ``optimizer``) as a Request."""
+    return Request(m["model"], m["batch"], shape(str(m["input"])), m["optimizer"])
 
 
 def gap_notes(model: nn.Module) -> list[str]:

@@ -23,8 +23,8 @@ from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from tqdm.auto import tqdm
 
 from lowmem.cli import crosscheck, shard_run
-from lowmem.cli.params import ShardingParams, request
-from lowmem.cli.profile import Request, account
+from lowmem.cli.params import ShardingParams
+from lowmem.cli.profile import Request, account, request
 from lowmem.cli.study import _num
 from lowmem.dynamicconv import memory as fairseq_memory
 from lowmem.memory.accounting import CATEGORIES, MIB

@@ -21,9 +21,9 @@ from tqdm.auto import tqdm
 
 from lowmem.cli import crosscheck
 from lowmem.cli.models import SpecError
-from lowmem.cli.params import PlannerParams, levers, request
+from lowmem.cli.params import PlannerParams, levers
 from lowmem.cli.plan import budget_bytes, make_plan
-from lowmem.cli.profile import account
+from lowmem.cli.profile import account, request
 from lowmem.memory.accounting import CATEGORIES
 
 GIB = 2**30
