@@ -46,7 +46,7 @@ def memtracker(req: Request, tech: Techniques = Techniques()) -> dict[str, Any]:
     beside the accountant's, in bytes."""
     model = precision.prepare(models.build(req.spec, "meta"), precision.parse(tech.precision))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
+        models.to_empty(model, "cpu")
         step, model, opt, (x, y) = step_of(req, tech, "cpu", model=model)
         step(lambda _: None)  # optimizer state exists, as in every step but the first
         opt.zero_grad(set_to_none=True)
@@ -125,7 +125,7 @@ def sac_graph(req: Request) -> tuple[Any, list[str], int]:
     top = type(model).__name__  # PyTorch's trackers name modules from the root's class
     blocks = [f"{top}.{names[id(chain)]}.{i}" for _, _, chain in chains(model) for i in range(len(chain))]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
+        models.to_empty(model, "cpu")
         step, model, opt, (x, y) = step_of(req, Techniques(), "cpu", model=model)
         step(lambda _: None)
         mt = MemTracker()
@@ -277,7 +277,7 @@ def fsdp_memtracker(req: Request) -> int:
         raise ValueError(f"FSDPMemTracker tracks FSDP2 modules: use devices > 1 and one of {sharding.FSDP_MODES}")
     model = models.build(req.spec, "meta")
     with FakeTensorMode(allow_non_fake_inputs=True), sharding.fake_group(shard.devices):
-        model.to_empty(device="cpu")
+        models.to_empty(model, "cpu")
         step, model, opt, batch = step_of(req, Techniques(), "cpu", model=model)  # the step the accountant follows
         step(lambda _: None)
         opt.zero_grad(set_to_none=True)

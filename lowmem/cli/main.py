@@ -4,6 +4,8 @@
     lowmem plan torchvision:resnet50 --batch 256 --input 3x224x224 --optimizer sgd-momentum --budget 4GiB [--explain 1]
     lowmem plan torchvision:resnet50 --batch 256 --input 3x224x224 --budget t4 --check        # exit 0 fits, 1 not
     lowmem plan torchvision:resnet50 --input 3x224x224 --budget 4GiB --max-batch --levers mixed-bf16+checkpoint-block
+    lowmem profile hf:gpt2 --batch 8 --input 1024 --optimizer adamw [--lora-r 8 --lora-targets c_attn]
+    lowmem plan hf:llama --config num_hidden_layers=4 --batch 4 --input 512 --optimizer adamw --budget 2GiB
 
 Bad input (an unknown model, an unparsable shape, an unknown optimizer or device, a budget nothing meets, a row
 --explain does not have) gives one line on stderr that says what is allowed, and exit status 2; a step that does
@@ -18,7 +20,7 @@ import sys
 import textwrap
 import time
 
-from lowmem.cli import fits, models, plan_output
+from lowmem.cli import fits, hf, models, plan_output
 from lowmem.cli import plan as planner
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, measure
@@ -28,20 +30,38 @@ from lowmem.techniques import optimizers, sharding
 from lowmem.techniques.step import Techniques
 
 
+def _model(args: argparse.Namespace) -> str:
+    """The model spec, with the hf: options (lowmem.cli.hf) written into it: one string names the model everywhere."""
+    extra = [*args.config, *(f"{k}={v}" for k, v in (("head", args.head), ("lora_r", args.lora_r), ("lora_alpha", args.lora_alpha),
+                                                         ("lora_targets", args.lora_targets)) if v is not None)]
+    if extra and not args.model.startswith("hf:"):
+        raise SpecError("--config, --head and --lora-* are options of an hf: model (e.g. hf:llama --config num_hidden_layers=4)")
+    return ",".join([args.model, *extra])
+
+
 def _request(args: argparse.Namespace) -> Request:
     # plan's --step lists the steps it combines; its Request is the plain one
-    return Request(args.model, args.batch, shape(args.input) if args.input else (), args.optimizer, args.vocab, args.tokens,
+    return Request(_model(args), args.batch, shape(args.input) if args.input else (), args.optimizer, args.vocab, args.tokens,
                    args.devices, args.shard, args.step if isinstance(args.step, str) else "plain")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="torchvision:NAME, wrn:wrn-28-2, fairseq:ARCH (profile only), or MODULE:FACTORY")
+    p.add_argument("model", help="torchvision:NAME, wrn:wrn-28-2, fairseq:ARCH, hf:TYPE or hf:path/to/config.json "
+                   "(transformers, built from its config: nothing is downloaded), or MODULE:FACTORY")
     p.add_argument("--batch", type=int, default=1, help="examples per step (fairseq: sentences)")
-    p.add_argument("--input", help="one example's shape, e.g. 3x224x224; for token ids a length, with --vocab")
+    p.add_argument("--input", help="one example's shape, e.g. 3x224x224; for token ids a length, with --vocab (hf: the length alone)")
     p.add_argument("--vocab", type=int, help="token models: ids are drawn below this (fairseq: both dictionaries' size)")
     p.add_argument("--tokens", type=int, help="fairseq: tokens per batch (--max-tokens); default batch x length")
     p.add_argument("--optimizer", default="sgd-momentum",
                    help=f"one of {', '.join([*OPTIMIZERS, *optimizers.OPTIMIZERS[1:]])} (fairseq: sgd, sgd-momentum, adam, adafactor)")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="hf: a config key overridden, e.g. num_hidden_layers=4 (repeat for more)")
+    p.add_argument("--head", choices=list(hf.HEADS), help="hf: the head and its loss (default: seq2seq-lm for an "
+                   "encoder-decoder, masked-lm for an encoder, else causal-lm)")
+    p.add_argument("--lora-r", type=int, help="hf: LoRA adapters of this rank (peft); the base weights are frozen")
+    p.add_argument("--lora-alpha", type=float, help="hf: LoRA's alpha (default 2 x rank; changes no bytes)")
+    p.add_argument("--lora-targets", help="hf: the linear layers LoRA adapts, by name, joined by + (e.g. q_proj+v_proj; "
+                   "default: peft's for the model type)")
     p.add_argument("--devices", type=int, default=1, help="data-parallel devices the batch is split over; memory is per device")
     p.add_argument("--shard", default="replicate", choices=list(sharding.MODES),
                    help="what the devices shard: " + "; ".join(f"{k} = {v}" for k, v in sharding.MODES.items()))

@@ -5,6 +5,8 @@
 - ``wrn:wrn-28-2``: this project's WideResNet (``lowmem.wrn.models``);
 - ``fairseq:ARCH``: a fairseq translation architecture (``lightconv_iwslt_de_en``, ``transformer_iwslt_de_en``,
   ...), accounted by the DynamicConv track's fairseq step (``lowmem.dynamicconv.memory``);
+- ``hf:NAME``: a transformers model built from its config class (``gpt2``, ``llama``, a local ``config.json``),
+  with its head's loss and optionally LoRA (``lowmem.cli.hf``);
 - ``MODULE:FACTORY``: any importable callable that returns an ``nn.Module`` (``mypkg.models:build``).
 
 A model that is not fairseq's trains with cross-entropy on its output: logits with the classes last, as
@@ -22,9 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowmem.cli import hf
 from lowmem.wrn.models import build_model
 
-KINDS = ("torchvision", "wrn", "fairseq", "MODULE")
+KINDS = ("torchvision", "wrn", "fairseq", "hf", "MODULE")
 
 
 class SpecError(ValueError):
@@ -33,7 +36,7 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Spec:
-    kind: str  # torchvision, wrn, fairseq, or module
+    kind: str  # torchvision, wrn, fairseq, hf, or module
     name: str
 
 
@@ -41,9 +44,10 @@ def parse(spec: str) -> Spec:
     """'torchvision:resnet50' -> Spec('torchvision', 'resnet50'); 'pkg.mod:factory' -> Spec('module', 'pkg.mod:factory')."""
     kind, sep, name = spec.partition(":")
     if not sep or not kind or not name:
-        raise SpecError(f"model {spec!r}: write KIND:NAME with KIND one of torchvision, wrn, fairseq, or a Python "
-                        "module path (e.g. torchvision:resnet50, wrn:wrn-28-2, fairseq:lightconv_iwslt_de_en, mypkg.models:build)")
-    if kind in ("torchvision", "wrn", "fairseq"):
+        raise SpecError(f"model {spec!r}: write KIND:NAME with KIND one of torchvision, wrn, fairseq, hf, or a Python "
+                        "module path (e.g. torchvision:resnet50, wrn:wrn-28-2, fairseq:lightconv_iwslt_de_en, hf:gpt2, "
+                        "mypkg.models:build)")
+    if kind in ("torchvision", "wrn", "fairseq", "hf"):
         return Spec(kind, name)
     return Spec("module", spec)
 
@@ -106,6 +110,11 @@ def factory(spec: Spec) -> Callable[[], nn.Module]:
         except ValueError as e:
             raise SpecError(str(e)) from None
         return lambda: build_model(spec.name)
+    if spec.kind == "hf":
+        try:
+            return hf.factory(spec.name)[0]
+        except hf.HFError as e:
+            raise SpecError(str(e)) from None
     if spec.kind == "module":
         module_name, _, attr = spec.name.rpartition(":")
         try:
@@ -125,6 +134,8 @@ def build(spec: Spec, device: torch.device | str, seed: int = 0) -> nn.Module:
     try:
         with torch.device(device):
             model = make()
+    except hf.HFError as e:
+        raise SpecError(str(e)) from None
     except NotImplementedError:
         if torch.device(device).type != "meta":
             raise
@@ -135,6 +146,22 @@ def build(spec: Spec, device: torch.device | str, seed: int = 0) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpecError(f"{spec.name!r} returned {type(model).__name__}, not an nn.Module")
     return _ClassesAtDim1(model)
+
+
+def to_empty(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """``model.to_empty(device=device)``, its shared parameters still shared. Moving off the meta device,
+    ``Module.to_empty`` gives every module a new Parameter of its own, which unties tied weights (a language model's
+    embedding and output layer: the account would hold them twice)."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)
+    for (first, first_name), *rest in (v for v in places.values() if len(v) > 1):
+        for module, name in rest:
+            module._parameters[name] = first._parameters[first_name]
+    return model
 
 
 def batch(model: nn.Module, batch_size: int, input_shape: tuple[int, ...], vocab: int | None, device: torch.device | str,

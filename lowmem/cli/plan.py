@@ -314,7 +314,8 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     model = models.build(req.spec, "meta")
     has_chains = bool(chains(model))
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
-    effects = measured_effects(root)
+    # The effects were measured on WRN and DynamicConv: a language model's lossy levers are not measured here.
+    effects = {} if req.spec.kind == "hf" else measured_effects(root)
     if "flops" not in cache:
         cache["flops"] = step_flops(req, "none")
     flops = cache["flops"]

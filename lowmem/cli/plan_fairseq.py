@@ -32,7 +32,8 @@ from tqdm import tqdm
 from lowmem.cli import plan_output
 from lowmem.cli.models import SpecError
 from lowmem.cli.plan_rules import combine, first_fitting
-from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request, _HostScalars
+from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request
+from lowmem.cli.scalars import HostScalars
 
 PLUGIN_ARCH = "lightconv_iwslt_de_en"  # the architecture lowmem's plugin extends (as lowmem_lightconv_iwslt_de_en)
 UPDATE_FREQS = 6  # --update-freq 1, 2, 4, ... at most this many
@@ -156,7 +157,7 @@ def rows(req: Request, budget: int, progress: bool, root: Path, states: tuple[st
 
     def flops(args: list[str]) -> int:
         step, *_ = fairseq_memory.fairseq_step(args, req.vocab, req.vocab, tokens, length)
-        with FlopCounterMode(display=False) as counter, _HostScalars():  # fairseq reads the loss as a number
+        with FlopCounterMode(display=False) as counter, HostScalars():  # fairseq reads the loss as a number
             step(lambda _: None)
         return counter.get_total_flops()
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lowmem.cli import models
+from lowmem.cli import hf, models
 from lowmem.cli.models import Spec, SpecError, shape
+from lowmem.cli.scalars import HostScalars, has_values
 from lowmem.memory.accounting import MemoryReport, Workspace, account_step
 from lowmem.memory.measure import CPUWorkspace, measure_step
 from lowmem.techniques import fused_step, optimizers, precision, sharding
@@ -76,6 +76,8 @@ class Request:
             raise SpecError(f"batch {self.batch!r} must be a positive integer")
         if spec.kind == "fairseq" and (len(self.input) != 1 or not self.vocab):
             raise SpecError("a fairseq model needs --input LENGTH (tokens per sentence) and --vocab SIZE")
+        if spec.kind == "hf":
+            self._check_hf(spec)
         if spec.kind != "fairseq" and not self.input:
             raise SpecError("give one example's shape with --input, e.g. 3x224x224 (or a length with --vocab for token ids)")
         if self.step not in STEPS:
@@ -88,6 +90,22 @@ class Request:
             self.sharding.per_device(self.batch if spec.kind != "fairseq" else _tokens(self))
         except ValueError as e:
             raise SpecError(str(e)) from None
+
+    def _check_hf(self, spec: Spec) -> None:
+        """A transformers model takes token ids: one length, below its position limit; ids below its vocabulary,
+        which is the default --vocab."""
+        try:
+            cfg, _ = hf.config(spec.name)
+        except hf.HFError as e:
+            raise SpecError(str(e)) from None
+        if len(self.input) != 1:
+            raise SpecError(f"{self.model} takes token ids: give --input LENGTH (tokens per example), not {'x'.join(map(str, self.input)) or 'nothing'}")
+        limit = hf.max_length(cfg)
+        if limit is not None and self.input[0] > limit:
+            raise SpecError(f"--input {self.input[0]} tokens is above {self.model}'s limit of {limit} positions")
+        if self.vocab is not None and self.vocab > cfg.vocab_size:
+            raise SpecError(f"--vocab {self.vocab} is above {self.model}'s vocabulary of {cfg.vocab_size}")
+        object.__setattr__(self, "vocab", self.vocab or cfg.vocab_size)  # frozen: the default, filled in once
 
     @property
     def sharding(self) -> sharding.Sharding:
@@ -129,17 +147,6 @@ def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = shard
     if fused:  # Request refuses the fused step over several devices
         return fused_step.FusedOptimizer(model.parameters(), make)
     return sharding.optimizer(model, shard, make, accounting)
-
-
-class _HostScalars(TorchDispatchMode):
-    """Gives ``.item()`` of a tensor without values (meta, fake) the value 1. Adafactor reads norms and its step
-    count as Python numbers, which such a tensor has not; they scale the update but allocate nothing, so the bytes
-    are those of a real step (tests/test_cli.py checks Adafactor's account against the real tensors')."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.ops.aten._local_scalar_dense.default and not _has_values(args[0]):
-            return 1.0 if args[0].is_floating_point() else 1
-        return func(*args, **(kwargs or {}))
 
 
 def chains(model: nn.Module) -> list[tuple[nn.Module, str, nn.Sequential]]:
@@ -187,7 +194,7 @@ def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[Blo
     names = {id(m): n for n, m in model.named_modules()}
     inputs: dict[int, torch.Tensor] = {}
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
+        models.to_empty(model, "cpu")
         hooks = [chain.register_forward_pre_hook(lambda _, args, i=i: inputs.setdefault(i, args[0]))
                  for i, (_, _, chain) in enumerate(found)]
         x, _ = models.batch(model, examples, req.input, req.vocab, "cpu", dtype=prec.dtype if prec.kind == "half" else torch.float32)
@@ -199,10 +206,6 @@ def chain_costs(req: Request, tech: Techniques, examples: int) -> tuple[list[Blo
         with precision.autocast(prec, "cpu"):
             costs = [c for i, (_, _, chain) in enumerate(found) for c in block_costs(chain, inputs[i])]
     return costs, [len(c) for _, _, c in found], [names[id(c)] for _, _, c in found]
-
-
-def _has_values(t: torch.Tensor) -> bool:
-    return t.device.type != "meta" and not isinstance(t, FakeTensor)
 
 
 def step_of(req: Request, tech: Techniques, device: torch.device | str, examples: int | None = None,
@@ -226,7 +229,7 @@ def step_of(req: Request, tech: Techniques, device: torch.device | str, examples
     scaler = precision.make_scaler(prec, torch.device(device).type, sync=False)
 
     def step(mark: Callable[[str], None]) -> None:
-        with _HostScalars() if not _has_values(x) else nullcontext():
+        with HostScalars() if not has_values(x) else nullcontext():
             train_step(model, opt, x[:examples], y[:examples], tech, mark, scaler)
 
     return step, model, opt, (x, y)
@@ -279,7 +282,7 @@ def account(req: Request, tech: Techniques = Techniques(), workspace: Workspace 
     ctx, device = _shapes("cpu" if shard.active else shapes, tech)
     with ctx, sharding.fake_group(shard.devices) if shard.active else nullcontext():
         if device.type != "meta":
-            model.to_empty(device=device)
+            models.to_empty(model, device)
         step, model, opt, batch = step_of(req, tech, device, examples, model, segments)
         return account_step(step, model, opt, batch, workspace=workspace, held=sharding.held_buckets(model, shard))
 
