@@ -12,6 +12,7 @@ from lowmem.cli import hf, models
 from lowmem.cli.main import main
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request, account, measure
+from lowmem.techniques.step import Techniques
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -110,3 +111,30 @@ def test_other_models_do_not_import_transformers() -> None:
     code = ("import sys; from lowmem.cli.profile import Request, account; "
             "account(Request('wrn:wrn-10-1', 2, (3, 32, 32))); print('transformers' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_transformers_checkpointing_is_accounted_as_measured_and_lowers_the_peak(family: str) -> None:
+    req = Request(TINY[family] + f",lora_r=4,lora_targets={LORA[family]}", 4, (64,), "adamw")
+    report, _ = measure(req, Techniques(checkpoint="block"))
+    print(f"{family} LoRA + checkpointing: accounted {report.peak}, measured {report.measured_peak}, gap {report.gap_pct:+.3f}%")
+    assert abs(report.gap_pct) <= GOAL_PCT
+    assert report.category_max["activations"] < account(req).category_max["activations"]
+    with pytest.raises(SpecError, match="use checkpoint-block"):
+        account(req, Techniques(checkpoint="sqrt"))
+
+
+def test_the_plan_checkpoints_a_transformers_models_layers_and_borrows_no_measured_risk() -> None:
+    from lowmem.cli import plan
+
+    req = Request(TINY["llama"], 4, (64,), "adamw")
+    plain = account(req).peak
+    levers = plan.Levers(precision=("fp32", "half-bf16"), activation_bits=(0,), optimizer_state=("given",), step=("plain",),
+                         microbatch_steps=1)
+    p = plan.make_plan(req, plain - 1, levers=levers, progress=False)
+    layers = p.rows[p.rows.checkpoint == "layers"]
+    fp32 = layers[layers.precision == "fp32"].iloc[0]
+    assert fp32.peak_bytes == account(req, Techniques(checkpoint="block")).peak < plain
+    assert fp32.time > 1 and fp32.quality_risk == "exact" and "gradient_checkpointing_enable" in fp32.how_to_apply
+    bf16 = p.rows[p.rows.precision == "half-bf16"]
+    assert len(bf16) and bf16.predicted_change.isna().all() and (bf16.quality_risk == "precision=half-bf16: unmeasured").all()

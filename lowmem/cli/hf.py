@@ -145,6 +145,25 @@ class Head(nn.Module):
         return logits[:, :-1] if self.head == "causal-lm" else logits
 
 
+def _head(model: nn.Module) -> Head | None:
+    """The Head inside ``model`` as ``lowmem.cli.models.build`` wraps it, or None."""
+    return next((m for m in model.modules() if isinstance(m, Head)), None)
+
+
+def is_hf(model: nn.Module) -> bool:
+    return _head(model) is not None
+
+
+def checkpoint_layers(model: nn.Module) -> None:
+    """transformers' own gradient checkpointing, each layer a segment: transformers calls its layers in a loop with
+    masks and position embeddings beside the hidden states, which no chain of blocks can wrap. Non-reentrant, as
+    transformers recommends, so that the frozen base weights of LoRA need no inputs that require gradients."""
+    head = _head(model)
+    if head is None or not head.model.supports_gradient_checkpointing:
+        raise HFError("this model has no gradient checkpointing in transformers")
+    head.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 @contextmanager
 def _the_real_steps_masks(ids: torch.Tensor) -> Iterator[None]:
     """transformers takes a FakeTensor for a traced graph and builds the explicit attention mask a graph needs, where

@@ -50,7 +50,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
-from lowmem.cli import models, plan_fairseq, plan_output
+from lowmem.cli import hf, models, plan_fairseq, plan_output
 from lowmem.cli.models import SpecError
 from lowmem.cli.plan_rules import combine, first_fitting
 from lowmem.cli.profile import STEPS, Request, account, chain_costs, chains, step_of
@@ -125,21 +125,23 @@ def no_state(req: Request, states: tuple[str, ...]) -> str:
             f"'given' have counterparts {have} only; add 'given'")
 
 
-def grid(req: Request, has_chains: bool, levers: Levers = Levers()) -> list[tuple[Techniques, bool, str]]:
-    """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques without checkpointing,
-    whether the checkpoint placement is planned, the optimizer); an optimizer state the request's optimizer has no
-    counterpart for is left out."""
+def grid(req: Request, has_chains: bool, levers: Levers = Levers(), layers: bool = False) -> list[tuple[Techniques, bool, str]]:
+    """Every combination of ``levers`` (the microbatches: ``microbatches``), as (techniques, whether the checkpoint
+    placement is planned, the optimizer); an optimizer state the request's optimizer has no counterpart for is left
+    out. ``layers``: a transformers model, whose checkpointing is transformers' own, every layer
+    (``checkpoint='block'``), not a placement."""
     if not set(levers.checkpoint) <= set(CHECKPOINTS):
         raise ValueError(f"checkpoint levers {levers.checkpoint} must be among {CHECKPOINTS}")
     if not set(levers.optimizer_state) <= set(OPTIMIZER_STATE):
         raise ValueError(f"optimizer_state levers {levers.optimizer_state} must be among {OPTIMIZER_STATE}")
     out = []
-    for p, c, b, a, s in itertools.product(levers.precision, levers.checkpoint if has_chains else ("none",),
+    for p, c, b, a, s in itertools.product(levers.precision, levers.checkpoint if has_chains or layers else ("none",),
                                            microbatches(req.device_batch, levers.microbatch_steps), levers.activation_bits,
                                            levers.optimizer_state):
         opt = optimizer_for(req, s, p)
         if opt is not None:
-            out.append((Techniques(precision=p, microbatch=b, activation_bits=a), c == "planned", opt))
+            ckpt = "block" if layers and c == "planned" else "none"
+            out.append((Techniques(precision=p, microbatch=b, activation_bits=a, checkpoint=ckpt), c == "planned" and not layers, opt))
     return out
 
 
@@ -271,7 +273,10 @@ def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, 
     fields = {f.name: getattr(tech, f.name) for f in dataclasses.fields(tech)
               if f.name in ("precision", "microbatch", "checkpoint", "activation_bits")
               and getattr(tech, f.name) != getattr(Techniques(), f.name)}
+    layers = fields.pop("checkpoint", None) == "block"  # only a transformers model's rows: grid(layers=True)
     call = "Techniques(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+    if layers:
+        call += ", model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
     if segments:  # (first block, end block, recomputed) per segment, per chain of lowmem.cli.profile.chains
         call += f" with lowmem.cli.profile.checkpoint_chains(model, segments={segments!r})"
     if state != "given":
@@ -313,6 +318,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
         raise ValueError(f"this cache holds the accounts of {cache['for'][0]}, not of {req}")
     model = models.build(req.spec, "meta")
     has_chains = bool(chains(model))
+    layers = not has_chains and hf.is_hf(model)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     # The effects were measured on WRN and DynamicConv: a language model's lossy levers are not measured here.
     effects = {} if req.spec.kind == "hf" else measured_effects(root)
@@ -323,6 +329,10 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     def row(tech: Techniques, opt: str, step: str, segments: list[list[Segment]] | None = None, recompute: int = 0
             ) -> dict[str, Any]:
         key = (tech, opt, step, repr(segments))
+        if tech.checkpoint == "block":  # transformers' every layer: the recomputed forward, the same at any microbatch
+            if "flops_layers" not in cache:
+                cache["flops_layers"] = step_flops(req, "block") - flops
+            recompute = cache["flops_layers"]
         if key not in cache:
             b, B = tech.microbatch, req.device_batch
             r = followed(dataclasses.replace(req, optimizer=opt, step=step), tech, segments)
@@ -335,7 +345,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
             state = next((s for s in STATE if STATE[s].get(req.optimizer, ("",))[0] == opt), "given")
             if per_device:
                 label = f"BatchNorm per device over {req.device_batch} examples, as microbatch={req.device_batch}: {label}"
-            cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else "none", "microbatch": b or B,
+            cache[key] = {"precision": tech.precision, "checkpoint": "planned" if segments else ("layers" if tech.checkpoint == "block" else "none"), "microbatch": b or B,
                           "optimizer": opt, "step": step,
                           "activation_bits": tech.activation_bits or (32 if tech.precision == "fp32" else 16),
                           "peak_bytes": r.peak, "peak_phase": r.peak_phase, "recompute": recompute / flops,
@@ -374,7 +384,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     # does not see, so no smaller one is offered), found by bisection: the peak falls with the microbatch.
     rows: list[dict[str, Any]] = []
     sizes = microbatches(req.device_batch, levers.microbatch_steps)
-    bases = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1))
+    bases = grid(req, has_chains, dataclasses.replace(levers, microbatch_steps=1), layers)
     if not bases:
         raise SpecError(no_state(req, levers.optimizer_state))
     if not set(levers.step) <= set(STEPS):

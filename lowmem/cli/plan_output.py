@@ -21,7 +21,8 @@ def levers(tech: Techniques, segments: list[list[Segment]] | None, optimizer: st
     """A torch row's levers by short name, joined by '+': 'plain' when none is on."""
     names = [tech.precision] if tech.precision != "fp32" else []
     names += [f"microbatch-{tech.microbatch}"] if tech.microbatch else []
-    names += ["checkpoint"] if segments else []  # always the placement planned for the budget (--explain shows it)
+    # the placement planned for the budget (--explain shows it), or a transformers model's every layer
+    names += ["checkpoint"] if segments or tech.checkpoint != "none" else []
     names += [f"activations-{tech.activation_bits}"] if tech.activation_bits else []
     names += [optimizer] if optimizer != given else []
     names += ["fused-step"] if step == "fused" else []
@@ -87,6 +88,8 @@ def how_to_apply(row: Any, req: Request) -> str:
             f"tech = Techniques({fields})", "prec = precision.parse(tech.precision)"]
     code += ["model = precision.prepare(model, prec)  # weights and buffers in 16 bits"] if half else []
     code += [f"profile.checkpoint_chains(model, segments={row.segments!r})"] if row.segments else []
+    code += ["model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"] \
+        if tech.checkpoint == "block" else []  # a transformers model's rows (lowmem.cli.plan.grid)
     fused = ", fused=True" if row.step == "fused" else ""
     why = ("  # stepped inside backward" if fused else "") + \
         (f"  # in place of {req.optimizer}" if row.optimizer != req.optimizer else "")

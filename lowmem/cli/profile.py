@@ -173,6 +173,12 @@ def checkpoint_chains(model: nn.Module, spec: str = "none", segments: list[list[
     given ``segments`` per chain (``lowmem plan``'s placement, from ``chain_costs``), in place; returns how many
     chains there were."""
     found = chains(model)
+    if not found and spec != "none" and segments is None and hf.is_hf(model):
+        if spec != "block":
+            raise SpecError(f"checkpoint-{spec}: a transformers model checkpoints through transformers, each layer "
+                            "a segment: use checkpoint-block")
+        hf.checkpoint_layers(model)
+        return 0
     if segments is not None and len(segments) != len(found):
         raise SpecError(f"{len(segments)} chains of segments given for a model with {len(found)} chains of blocks")
     for i, (parent, name, chain) in enumerate(found):
