@@ -138,3 +138,14 @@ def test_the_plan_checkpoints_a_transformers_models_layers_and_borrows_no_measur
     assert fp32.time > 1 and fp32.quality_risk == "exact" and "gradient_checkpointing_enable" in fp32.how_to_apply
     bf16 = p.rows[p.rows.precision == "half-bf16"]
     assert len(bf16) and bf16.predicted_change.isna().all() and (bf16.quality_risk == "precision=half-bf16: unmeasured").all()
+
+
+def test_a_local_config_json_or_its_folder_builds_that_config(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, '
+                                          '"vocab_size": 100, "n_positions": 64}')
+    for spec in (f"hf:{tmp_path / 'config.json'}", f"hf:{tmp_path},n_layer=3"):
+        model = models.build(models.parse(spec), "meta")
+        gpt2 = next(m for m in model.modules() if type(m).__name__ == "GPT2Model")
+        assert tuple(gpt2.wte.weight.shape) == (100, 32) and len(gpt2.h) == (3 if spec.endswith("=3") else 1)
+    with pytest.raises(SpecError, match="limit of 64 positions"):
+        Request(f"hf:{tmp_path}", 1, (65,), "adamw")
