@@ -56,7 +56,7 @@ def test_lora_leaves_gradients_and_adamw_state_to_the_adapters_alone(family: str
 
 def test_the_causal_lm_step_takes_transformers_own_shifted_loss() -> None:
     """The head's logits against the next tokens give the loss transformers computes from labels."""
-    make, vocab = hf.factory(TINY["llama"].removeprefix("hf:"))
+    make, vocab = hf.factory(TINY["llama"].removeprefix("hf:")), hf.config(TINY["llama"].removeprefix("hf:"))[0].vocab_size
     torch.manual_seed(0)
     head = make()
     ids = torch.randint(0, vocab, (2, 12))
@@ -86,6 +86,7 @@ def test_another_head_is_accounted_as_measured() -> None:
     ("hf:gpt2,n_layer=two", "'two' is not a int"),
     ("hf:llama,lora_r=4,lora_targets=q_proj+nothing", "match no layer with weights"),
     ("hf:gpt2,head=regression", "not one of"),
+    ("hf:gpt2,lora_r=four", "LoRA's rank and alpha are numbers: lora_r=four"),
 ])
 def test_bad_specs_say_what_is_wrong(spec: str, says: str) -> None:
     with pytest.raises(SpecError, match=says):

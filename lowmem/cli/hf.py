@@ -22,7 +22,7 @@ away, and lowmem never downloads. transformers and peft are imported only for an
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,9 @@ HEADS = {  # --head: transformers' auto class of each head
     "sequence-classification": "AutoModelForSequenceClassification",
 }
 LORA_KEYS = {"lora_r": int, "lora_alpha": float, "lora_targets": str}  # peft's LoraConfig: r, lora_alpha, target_modules
+# transformers' gradient checkpointing as lowmem turns it on, and as a plan tells a reader to.
+CHECKPOINT_KWARGS = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+CHECKPOINT_CALL = "model.gradient_checkpointing_enable(" + ", ".join(f"{k}={v!r}" for k, v in CHECKPOINT_KWARGS.items()) + ")"
 SPEC_KEYS = ("head", *LORA_KEYS)  # the keys of an hf: spec that are not config keys
 
 
@@ -161,7 +164,7 @@ def checkpoint_layers(model: nn.Module) -> None:
     head = _head(model)
     if head is None or not head.model.supports_gradient_checkpointing:
         raise HFError("this model has no gradient checkpointing in transformers")
-    head.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    head.model.gradient_checkpointing_enable(**CHECKPOINT_KWARGS)
 
 
 @contextmanager
@@ -185,8 +188,8 @@ def _the_real_steps_masks(ids: torch.Tensor) -> Iterator[None]:
         masking_utils.is_tracing = traced
 
 
-def factory(name: str) -> tuple[Any, int]:
-    """(a function building the model with its head, and LoRA where the spec asks; the vocabulary size)."""
+def factory(name: str) -> Callable[[], nn.Module]:
+    """A function building the model with its head, and LoRA where the spec asks."""
     import transformers
 
     cfg, keys = config(name)
@@ -197,7 +200,10 @@ def factory(name: str) -> tuple[Any, int]:
         # A decoder's classifier reads each row's last token before padding and refuses batches without a pad id;
         # which id it is changes no bytes.
         cfg.pad_token_id = 0
-    lora = {k: LORA_KEYS[k](keys[k]) for k in LORA_KEYS if k in keys}
+    try:
+        lora = {k: LORA_KEYS[k](keys[k]) for k in LORA_KEYS if k in keys}
+    except ValueError:
+        raise HFError(f"LoRA's rank and alpha are numbers: {', '.join(f'{k}={keys[k]}' for k in LORA_KEYS if k in keys)}") from None
     if lora and "lora_r" not in lora:
         raise HFError("LoRA needs its rank: lora_r=R (--lora-r)")
 
@@ -210,7 +216,7 @@ def factory(name: str) -> tuple[Any, int]:
             model = _lora(model, lora)
         return Head(model, head)
 
-    return make, cfg.vocab_size
+    return make
 
 
 def _lora(model: nn.Module, lora: dict[str, Any]) -> nn.Module:

@@ -18,6 +18,7 @@ A model that is not fairseq's trains with cross-entropy on its output: logits wi
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,7 +73,8 @@ class _ClassesAtDim1(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.model(x)
-        if _AUX and isinstance(out, _AUX):
+        aux = _aux_outputs()
+        if aux and isinstance(out, aux):
             # GoogLeNet and Inception v3 train with auxiliary heads. Their logits join the loss with weight 0: the
             # heads then hold activations, gradients and optimizer state as under auxiliary losses, whose weights
             # change no bytes (short of the auxiliary cross-entropies' own few bytes, B x classes each).
@@ -84,14 +86,10 @@ class _ClassesAtDim1(nn.Module):
 
 
 def _aux_outputs() -> tuple[type, ...]:
-    try:
-        from torchvision.models import GoogLeNetOutputs, InceptionOutputs
-    except ImportError:
-        return ()
-    return (GoogLeNetOutputs, InceptionOutputs)
-
-
-_AUX = _aux_outputs()
+    """torchvision's outputs with auxiliary heads; none while torchvision is not imported, as then no model returns
+    them (importing it here would cost every command seconds, torch._dynamo included)."""
+    tv = sys.modules.get("torchvision.models")
+    return (tv.GoogLeNetOutputs, tv.InceptionOutputs) if tv is not None else ()
 
 
 def factory(spec: Spec) -> Callable[[], nn.Module]:
@@ -112,7 +110,7 @@ def factory(spec: Spec) -> Callable[[], nn.Module]:
         return lambda: build_model(spec.name)
     if spec.kind == "hf":
         try:
-            return hf.factory(spec.name)[0]
+            return hf.factory(spec.name)
         except hf.HFError as e:
             raise SpecError(str(e)) from None
     if spec.kind == "module":

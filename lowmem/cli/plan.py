@@ -207,7 +207,7 @@ def how_to_apply(tech: Techniques, segments: list[list[Segment]] | None = None, 
     layers = fields.pop("checkpoint", None) == "block"  # only a transformers model's rows: grid(layers=True)
     call = "Techniques(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
     if layers:
-        call += ", model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"
+        call += f", {hf.CHECKPOINT_CALL}"
     if segments:  # (first block, end block, recomputed) per segment, per chain of lowmem.cli.profile.chains
         call += f" with lowmem.cli.profile.checkpoint_chains(model, segments={segments!r})"
     if state != "given":
@@ -252,7 +252,7 @@ def make_plan(req: Request, budget: int, time_steps: bool = False, exact_only: b
     layers = not has_chains and hf.is_hf(model)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     # The effects were measured on WRN and DynamicConv: a language model's lossy levers are not measured here.
-    effects = {} if req.spec.kind == "hf" else measured_effects(root)
+    effects = {} if hf.is_hf(model) else measured_effects(root)
     if "flops" not in cache:
         cache["flops"] = step_flops(req, "none")
     flops = cache["flops"]

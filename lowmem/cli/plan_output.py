@@ -10,6 +10,7 @@ from typing import Any
 
 import pandas as pd
 
+from lowmem.cli import hf
 from lowmem.cli.profile import Request
 from lowmem.techniques.checkpoint import Segment
 from lowmem.techniques.step import Techniques
@@ -88,7 +89,7 @@ def how_to_apply(row: Any, req: Request) -> str:
             f"tech = Techniques({fields})", "prec = precision.parse(tech.precision)"]
     code += ["model = precision.prepare(model, prec)  # weights and buffers in 16 bits"] if half else []
     code += [f"profile.checkpoint_chains(model, segments={row.segments!r})"] if row.segments else []
-    code += ["model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})"] \
+    code += [hf.CHECKPOINT_CALL] \
         if tech.checkpoint == "block" else []  # a transformers model's rows (lowmem.cli.plan.grid)
     fused = ", fused=True" if row.step == "fused" else ""
     why = ("  # stepped inside backward" if fused else "") + \

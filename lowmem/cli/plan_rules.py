@@ -13,8 +13,6 @@ from typing import Any
 
 import pandas as pd
 
-from lowmem.studies.frontier import beyond_rows
-from lowmem.studies.quality_model import arm_change
 from lowmem.techniques import precision
 from lowmem.techniques.step import Techniques
 
@@ -51,6 +49,10 @@ def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]
     """(lever, setting) -> {change, low, high, n, where} from the committed results: WRN's lossy levers alone
     (figures/09_wrn_levers.csv, stage combinations), the compressed activations and Kahan's bf16
     (metrics/levers_train.json), and 8-bit momentum (metrics/levers_state_train.json)."""
+    # seaborn and scipy come with these: kept off the CLI's import path, which needs them only here
+    from lowmem.studies.frontier import beyond_rows
+    from lowmem.studies.quality_model import arm_change
+
     effects: dict[tuple[str, Any], dict[str, Any]] = {}
     levers = root / "figures" / "09_wrn_levers.csv"
     combos = root / "metrics" / "combinations.json"
