@@ -133,8 +133,11 @@ def test_the_training_path_holds_the_trainer_and_techniques_but_no_study_or_othe
     assert not {m for m in TRAIN_CODE if m.endswith("_study") or "translation" in m or m in ("lowmem.dynamicconv.corpus", "lowmem.config")}
 
 
-def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path) -> None:
-    """SIGKILL (no handler can run) while the train stage's entry point is between epochs, then the same command."""
+def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL (no handler can run) while the train stage's entry point is between epochs, then the same command.
+    The uninterrupted run is the same entry point called here: a third process would only add its imports."""
+    from lowmem.pipeline import train_stage
+
     block = {"profile": "smoke", "seed": 0, "seeds": [0], "dataset": "synthetic", "model": "wrn-10-1", "epochs": 4,
              "batch_size": 32, "train_subset": 256, "test_subset": 64, "device": "cpu"}
     resolved = BaselineParams(**block).__dict__
@@ -156,9 +159,10 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path
     assert done.returncode == 0, done.stderr
     events = [e["event"] for e in runs.ledger(store)]
     assert events[0].startswith("resumed at epoch ") and events[-1] == "trained"
-    whole = subprocess.run([*cmd, "--out", str(tmp_path / "whole.json")], cwd=ROOT, capture_output=True, text=True,
-                           env={**os.environ, "LOWMEM_RUNS": str(tmp_path / "whole")})
-    assert whole.returncode == 0, whole.stderr
+    monkeypatch.setenv("LOWMEM_RUNS", str(tmp_path / "whole"))
+    monkeypatch.chdir(ROOT)
+    assert train_stage.main([*cmd[3:], "--out", str(tmp_path / "whole.json")]) == 0
+    assert [e["event"] for e in runs.ledger(tmp_path / "whole")] == ["trained"]
     timing = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
     strip = lambda f: [{k: v for k, v in row.items() if k not in timing}
                        for r in json.loads(f.read_text())["runs"] for row in r["history"]]
