@@ -56,7 +56,8 @@ def test_lora_leaves_gradients_and_adamw_state_to_the_adapters_alone(family: str
 
 def test_the_causal_lm_step_takes_transformers_own_shifted_loss() -> None:
     """The head's logits against the next tokens give the loss transformers computes from labels."""
-    make, vocab = hf.factory(TINY["llama"].removeprefix("hf:")), hf.config(TINY["llama"].removeprefix("hf:"))[0].vocab_size
+    name = TINY["llama"].removeprefix("hf:")
+    make, vocab = hf.factory(name), hf.config(name)[0].vocab_size
     torch.manual_seed(0)
     head = make()
     ids = torch.randint(0, vocab, (2, 12))
