@@ -13,7 +13,7 @@ import yaml
 
 from lowmem import runs
 from lowmem.config import ParamError, resolve
-from lowmem.dynamicconv import corpus, translation
+from lowmem.dynamicconv import commands, corpus, translation
 from lowmem.dynamicconv import memory as translation_memory
 from lowmem.dynamicconv.params import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams
 
@@ -154,6 +154,29 @@ def test_a_few_fairseq_train_updates_on_cpu_reduce_the_loss(trained: tuple[Path,
 
 
 @pytest.mark.slow
+def test_a_command_forked_from_the_server_trains_as_a_fresh_fairseq_train_process(
+        trained: tuple[Path, list[dict], TranslationTrainParams], tmp_path: Path) -> None:
+    # lowmem.dynamicconv.commands forks each command from a process that imported fairseq once: the same updates,
+    # to the last digit fairseq logs, as `python -m fairseq_cli.train` in an interpreter of its own.
+    data, records, t = trained
+    args = translation.train_args(t, data / "bin", tmp_path)
+    fresh = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *args], capture_output=True, text=True, env=commands.env())
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    timing = {"wps", "ups", "wall", "train_wall", "gb_free"}  # per record kind: train_inner's wps, valid's valid_wps, ...
+
+    def computed(recs: list[dict]) -> list[dict]:
+        return [{k: v for k, v in r.items() if k not in timing and k.split("_", 1)[-1] not in timing} for r in recs]
+
+    assert computed(translation.parse_log(fresh.stdout.splitlines())) == computed(records)
+    # A failing command's status and message come back as from a process of its own.
+    argv = [str(data / "bin"), "--no-such-option"]
+    bad = commands.captured("train", argv)
+    alone = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, env=commands.env())
+    assert bad.returncode == alone.returncode != 0
+    assert bad.stderr.strip().splitlines()[-1] == alone.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
 def test_fairseq_generate_gives_a_bleu_line_the_pipeline_parses(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
     data, _, t = trained
     result = translation.evaluate(TranslationEvaluateParams(beam=4, device="cpu"), data, translation.store_run(t, data).dir)
@@ -193,7 +216,12 @@ def test_a_fairseq_train_that_dies_after_it_finished_keeps_its_run_and_one_that_
 
     def dies_after(log: Path) -> None:
         script = f"import os, sys; sys.stdout.write(open({str(log)!r}).read()); sys.stdout.flush(); os.abort()"
-        monkeypatch.setattr(translation.corpus, "fairseq_cli", lambda tool: [sys.executable, "-c", script])
+
+        def run(tool: str, argv: list[str], stdout: Path, stderr: Path | None = None, poll: object = None) -> int:
+            with open(stdout, "a") as out:
+                return subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT).returncode
+
+        monkeypatch.setattr(translation.commands, "run", run)
 
     dies_after(finished)
     kept = translation.train(TranslationTrainParams(**{**t.__dict__, "max_update": 41}), data)

@@ -4,7 +4,6 @@ reflects each option at full size, byte for byte."""
 
 import copy
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 
 from lowmem.config import ParamError
 from lowmem.dynamicconv import memory as translation_memory
-from lowmem.dynamicconv import translation
+from lowmem.dynamicconv import commands, translation
 from lowmem.dynamicconv.params import TranslationDataParams, TranslationTechniquesParams
 from lowmem.dynamicconv.plugin import ARCH, TASK
 from lowmem.dynamicconv.translation import PLUGIN_DIR
@@ -83,9 +82,7 @@ def test_fairseq_train_runs_a_few_updates_with_each_option(data: Path, options: 
     args = [str(data / "bin"), *PLUGIN, *TINY, "--max-tokens", "1000", "--max-update", "6", "--cpu", "--save-dir", str(tmp_path),
             "--required-batch-size-multiple", "1", "--num-workers", "0", "--log-format", "json", "--log-interval", "3",
             "--no-epoch-checkpoints", *options]
-    from lowmem.dynamicconv import corpus
-
-    r = subprocess.run([*corpus.fairseq_cli("train"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
+    r = commands.captured("train", args)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     records = translation.parse_log((r.stdout + r.stderr).splitlines())
     assert [int(x["num_updates"]) for x in records if x["kind"] == "train_inner"] == [3, 6]

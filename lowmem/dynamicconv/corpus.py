@@ -23,12 +23,10 @@ import gettext
 import hashlib
 import io
 import json
-import os
 import random
 import re
 import shutil
 import subprocess
-import sys
 import tarfile
 import urllib.request
 from collections.abc import Iterable
@@ -37,6 +35,8 @@ from pathlib import Path
 from sacremoses import MosesTokenizer
 from subword_nmt.apply_bpe import BPE
 from subword_nmt.learn_bpe import learn_bpe
+
+from lowmem.dynamicconv import commands
 
 CORPORA = ("iwslt14", "gettext", "synthetic")
 LANGS = ("de", "en")
@@ -300,29 +300,19 @@ def prepare(raw: dict[str, list[Pair]], out_dir: Path, merges: int, max_len: int
     return counts
 
 
-def fairseq_cli(name: str) -> list[str]:
-    """fairseq's console script ``fairseq-<name>``, run by this interpreter (its venv need not be on PATH)."""
-    return [sys.executable, "-m", f"fairseq_cli.{name}"]
-
-
-def fairseq_env() -> dict[str, str]:
-    # torch >= 2.6 loads with weights_only=True, which cannot unpickle fairseq 0.12's checkpoints (environment notes).
-    return {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", "PYTHONWARNINGS": "ignore"}
-
-
 def binarize(bpe_dir: Path, bin_dir: Path, workers: int = 1) -> dict:
     """fairseq's own ``fairseq-preprocess`` on the BPE'd splits; returns the dictionary sizes fairseq reports."""
-    cmd = [*fairseq_cli("preprocess"), "--source-lang", "de", "--target-lang", "en",
+    args = ["--source-lang", "de", "--target-lang", "en",
            "--trainpref", str(bpe_dir / "train"), "--validpref", str(bpe_dir / "valid"), "--testpref", str(bpe_dir / "test"),
            "--destdir", str(bin_dir), "--workers", str(workers)]
     # fairseq-preprocess refuses a destination that holds dictionaries, and an old one may come from another corpus
     # (a notebook's smoke run beside another's): the splits are rebuilt from bpe_dir, as DVC does for its output.
     if bin_dir.exists():
         shutil.rmtree(bin_dir)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=fairseq_env())
+    r = commands.captured("preprocess", args)
     if r.returncode != 0:
         raise RuntimeError(f"fairseq-preprocess failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    (bin_dir / "preprocess.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+    (bin_dir / "preprocess.log").write_text(" ".join(r.args) + "\n" + r.stdout + r.stderr)
     # fairseq's dictionaries list the corpus types; bos, pad, eos and unk come on top.
     return {f"dict_{l}_types": 4 + len((bin_dir / f"dict.{l}.txt").read_text(encoding="utf-8").splitlines()) for l in LANGS}
 

@@ -21,7 +21,6 @@ import hashlib
 import importlib.metadata
 import json
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ from tqdm import tqdm
 
 from lowmem import runs
 from lowmem.config import ParamError, load, resolve
-from lowmem.dynamicconv import corpus
+from lowmem.dynamicconv import commands, corpus
 from lowmem.dynamicconv.params import TranslationDataParams, TranslationEvaluateParams, TranslationTrainParams
 
 DATA = Path("data/translation")  # raw/ and bpe/ (prepare), bin/ (binarize), generate/ (evaluate); runs: lowmem.runs
@@ -162,28 +161,32 @@ def train(p: TranslationTrainParams, data_dir: Path = DATA) -> list[dict[str, An
         records = parse_log(log.read_text().splitlines())
         run.finish(records, 0.0)
         return records
-    proc = subprocess.Popen([*corpus.fairseq_cli("train"), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=corpus.fairseq_env())
-    assert proc.stdout is not None
     bar = tqdm(total=p.max_update, desc="fairseq-train updates", mininterval=5)
-    finished = False
-    with open(log, "a") as f:
-        for line in proc.stdout:
-            f.write(line)
-            finished = finished or "done training in" in line
-            for rec in parse_log([line]):
-                if rec["kind"] == "train_inner":
-                    bar.update(int(rec["num_updates"]) - bar.n)
-                elif rec["kind"] == "valid":
-                    bar.write(f"epoch {int(rec['epoch'])}: valid loss {rec['valid_loss']:.3f}")
+    log.touch()
+    with open(log) as f:
+        f.seek(0, 2)  # this attempt's lines; a resumed run's earlier ones are in the log already
+        pending = [""]  # a line fairseq has not finished writing
+
+        def follow() -> None:
+            *lines, pending[0] = (pending[0] + f.read()).split("\n")
+            for line in lines:
+                for rec in parse_log([line]):
+                    if rec["kind"] == "train_inner":
+                        bar.update(int(rec["num_updates"]) - bar.n)
+                    elif rec["kind"] == "valid":
+                        bar.write(f"epoch {int(rec['epoch'])}: valid loss {rec['valid_loss']:.3f}")
+
+        code = commands.run("train", args, log, poll=follow)
+        follow()
     bar.close()
-    if proc.wait() != 0 and finished:
+    finished = "done training in" in log.read_text().rstrip().rsplit("\n", 1)[-1]
+    if code != 0 and finished:
         # fairseq-train printed its last line, after saving its last checkpoint, and then died as the interpreter
         # exited (seen once in CI: "terminate called without an active exception", SIGABRT): the run is complete.
-        print(f"fairseq-train exited with {proc.returncode} after it finished training; its run is kept", flush=True)
-    elif proc.returncode != 0:
+        print(f"fairseq-train exited with {code} after it finished training; its run is kept", flush=True)
+    elif code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"fairseq-train failed ({proc.returncode}); the end of {log}:\n{tail}")
+        raise RuntimeError(f"fairseq-train failed ({code}); the end of {log}:\n{tail}")
     records = parse_log(log.read_text().splitlines())
     run.finish(records, time.perf_counter() - t0)
     return records
@@ -301,7 +304,7 @@ def evaluate(p: TranslationEvaluateParams, data_dir: Path, save_dir: Path, out_d
             "--lenpen", str(p.lenpen), "--remove-bpe", "--batch-size", str(p.batch_size),
             "--required-batch-size-multiple", "1", *extra_args] + (["--cpu"] if _use_cpu(p.device) else [])
     print(shell("generate", args), flush=True)
-    r = subprocess.run([*corpus.fairseq_cli("generate"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
+    r = commands.captured("generate", args)
     (out_dir / "generate.txt").write_text(r.stdout)
     if r.returncode != 0:
         raise RuntimeError(f"fairseq-generate failed ({r.returncode}):\n{r.stderr[-3000:]}")

@@ -24,7 +24,6 @@ import functools
 import json
 import multiprocessing
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -40,7 +39,7 @@ from tqdm import tqdm
 
 from lowmem import runs
 from lowmem.config import PARAMS_YAML, ParamError, load, resolve
-from lowmem.dynamicconv import corpus, translation
+from lowmem.dynamicconv import commands, translation
 from lowmem.dynamicconv import memory as translation_memory
 from lowmem.dynamicconv.params import (
     TranslationDataParams,
@@ -135,7 +134,7 @@ def time_steps(p: TranslationTechniquesParams, data_dir: Path = translation.DATA
             t = train_params(p, name)
             args = translation.train_args(dataclasses.replace(t, max_update=p.timing_updates), data_dir / "bin", data_dir / "timing")
             args += ["--no-save", "--disable-validation", "--log-interval", "1"]
-            r = subprocess.run([*corpus.fairseq_cli("train"), *args], capture_output=True, text=True, env=corpus.fairseq_env())
+            r = commands.captured("train", args)
             if r.returncode != 0:
                 raise RuntimeError(f"fairseq-train ({name}) failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
             ups = [rec["ups"] for rec in translation.parse_log(r.stdout.splitlines() + r.stderr.splitlines())
