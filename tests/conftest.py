@@ -47,15 +47,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # the pipeline test trained from the session's run store, and the assertions read what nbval's run wrote.
 METRICS_TESTS = "test_notebook_metrics.py"
 # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) these share one worker, in collection order, since they share
-# its run store and the notebooks' output folder: the browser test (which runs notebook 01's source), the pipeline
-# copy, the notebooks, then the assertions on what they wrote (but for ACCOUNTING_NOTEBOOKS, below). The other tests
+# its run store and the notebooks' output folder: the browser test (which runs notebook 09's source), the pipeline
+# copy, the notebooks, then the assertions on what they wrote (but for OWN_GROUPS, below). The other tests
 # spread over both workers.
 IN_ORDER = ("test_lab.py", "test_pipeline.py", METRICS_TESTS)
 GROUP = "pipeline-and-notebooks"
-# The notebooks that only account (no run store, no trained run: 12 and 13), with the assertions on their metrics, are
-# a group of their own, in the same order: xdist runs it beside the pipeline's group, on either worker, not after it.
-ACCOUNTING_NOTEBOOKS = ("12", "13")
-ACCOUNTING_GROUP = "accounting-notebooks"
+# Notebooks that need no run the pipeline copy trained, with the assertions on their metrics, are groups of their own,
+# in the same order: xdist runs each beside the pipeline's group, on either worker, not after it. 12 and 13 only
+# account; 07 and 08 train their fairseq runs (translation_train's smoke run again, a few seconds) and share the smoke
+# corpus they prepare in data/smoke/translation.
+OWN_GROUPS = {"12": "accounting-notebooks", "13": "accounting-notebooks", "07": "translation-notebooks",
+              "08": "translation-notebooks"}
 # Modules whose expensive module-scoped fixtures (a trained fairseq model, a binarized corpus, the GPU check's dry run,
 # a planned table) would otherwise be built once on each worker: each module's tests share one worker, as a group of
 # its own.
@@ -72,7 +74,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if (item.path.suffix == ".ipynb" or item.path.name in IN_ORDER) and getattr(config.option, "loadgroup", False):
             # xdist 3.8.0 groups by the "@group" suffix of a nodeid, which it writes to item._nodeid; pytest 9.2 reads
             # the nodeid from item._id, so the suffix is set there (xdist's own rewrite then has no effect).
-            item._id = NodeId.parse(f"{item.nodeid}@{ACCOUNTING_GROUP if _notebook_number(item) in ACCOUNTING_NOTEBOOKS else GROUP}")
+            item._id = NodeId.parse(f"{item.nodeid}@{OWN_GROUPS.get(_notebook_number(item), GROUP)}")
         elif item.path.name in ONE_WORKER_MODULES and getattr(config.option, "loadgroup", False):
             item._id = NodeId.parse(f"{item.nodeid}@{item.path.stem}")
     items.sort(key=lambda item: item.path.name == METRICS_TESTS)  # stable: everything else keeps its order
