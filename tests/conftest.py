@@ -47,10 +47,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # the pipeline test trained from the session's run store, and the assertions read what nbval's run wrote.
 METRICS_TESTS = "test_notebook_metrics.py"
 # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) these share one worker, in collection order, since they share
-# its run store and the notebooks' output folder: the browser test (which runs notebook 09's source), the pipeline
-# copy, the notebooks, then the assertions on what they wrote (but for OWN_GROUPS, below). The other tests
-# spread over both workers.
-IN_ORDER = ("test_lab.py", "test_pipeline.py", METRICS_TESTS)
+# its run store and the notebooks' output folder: the pipeline copy, the notebooks, then the assertions on what they
+# wrote (but for OWN_GROUPS, below). The other tests spread over both workers.
+IN_ORDER = ("test_pipeline.py", METRICS_TESTS)
 GROUP = "pipeline-and-notebooks"
 # Notebooks that need no run the pipeline copy trained, with the assertions on their metrics, are groups of their own,
 # in the same order: xdist runs each beside the pipeline's group, on either worker, not after it. 12 and 13 only
@@ -59,10 +58,11 @@ GROUP = "pipeline-and-notebooks"
 OWN_GROUPS = {"12": "accounting-notebooks", "13": "accounting-notebooks", "07": "translation-notebooks",
               "08": "translation-notebooks"}
 # Modules whose expensive module-scoped fixtures (a trained fairseq model, a binarized corpus, the GPU check's dry run,
-# a planned table) would otherwise be built once on each worker: each module's tests share one worker, as a group of
-# its own.
+# a planned table, JupyterLab's server) would otherwise be built once on each worker: each module's tests share one
+# worker, as a group of its own. (The browser test runs notebook 09, which reads committed results only; its files
+# in data/smoke are nbval's run's, byte for byte, and both write them by rename.)
 ONE_WORKER_MODULES = ("test_translation.py", "test_translation_techniques.py", "test_translation_microbatch.py",
-                      "test_gpu_check.py", "test_plan_output.py")
+                      "test_gpu_check.py", "test_plan_output.py", "test_lab.py")
 SESSION_START = time.time()
 
 

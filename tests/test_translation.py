@@ -1,6 +1,8 @@
 """The translation track: corpus readers on files in their real on-disk formats, the preparation, fairseq's own CLI
 on a few updates, the BLEU parsing, and the accountant on a fairseq step."""
 
+import dataclasses
+import json
 import os
 import struct
 import subprocess
@@ -151,6 +153,20 @@ def test_a_few_fairseq_train_updates_on_cpu_reduce_the_loss(trained: tuple[Path,
     epochs = translation.history(records)
     assert [e["epoch"] for e in epochs] == list(range(1, len(epochs) + 1))
     assert all("valid_loss" in e and "train_loss" in e for e in epochs)
+
+
+@pytest.mark.slow
+def test_the_train_step_on_the_command_line_names_the_stores_run(trained: tuple[Path, list[dict], TranslationTrainParams],
+                                                                  tmp_path: Path) -> None:
+    # What DVC's translation_train stage runs (tests/test_pipeline.py runs the WRN stages only): the run trained
+    # above is this command's, read from the store (the same LOWMEM_RUNS), not trained again.
+    data, records, t = trained
+    params = tmp_path / "translation_train.yaml"
+    params.write_text(yaml.safe_dump(dataclasses.asdict(t)))
+    r = _cli(["train", "--params", str(params), "--data-dir", str(data), "--metrics", str(tmp_path / "train.json")], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads((tmp_path / "train.json").read_text())
+    assert (result["key"], result["trained"], result["records"]) == (translation.store_run(t, data).key, False, records)
 
 
 @pytest.mark.slow
