@@ -1,5 +1,6 @@
 """lowmem.pipeline.stage_times: the per-stage times of `make repro`, and `make repro-all`'s temporary unfreezing."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -63,13 +64,26 @@ def test_a_run_after_a_failed_one_resumes_it_in_the_summary(tmp_path: Path) -> N
     state = tmp_path / "s.json"
     first = stage_times.latest_run(state, [("a", 60.0), ("b", 120.0)], "cpu", "X (AVX2)", ok=False)
     assert (first["stages"], first["minutes"], first["resumed"]) == (2, 3.0, 0)
-    assert stage_times.summary(first).startswith("Latest (failed) `make repro`: 2 stage(s) in 3.0 min at")
+    assert "on X (AVX2) (failed): 2 stage(s) in 3.0 min at" in stage_times.summary(stage_times.latest_runs(state))
     second = stage_times.latest_run(state, [("c", 30.0)], "cpu", "X (AVX2)", ok=True)
     assert (second["stages"], second["minutes"], second["resumed"], second["ok"]) == (3, 3.5, 1, True)
-    assert "3 stage(s) in 3.5 min (resumed 1 time(s) after a failure)" in stage_times.summary(second)
+    assert "3 stage(s) in 3.5 min at profile `cpu`, resumed 1 time(s) after a failure" in stage_times.summary(stage_times.latest_runs(state))
     # after a run that succeeded, or on another CPU, a run counts alone
     assert stage_times.latest_run(state, [("a", 6.0)], "cpu", "X (AVX2)", ok=False)["stages"] == 1
     assert stage_times.latest_run(state, [("b", 6.0)], "cpu", "Y (AVX-512)", ok=True)["stages"] == 1
+
+
+def test_the_summary_keeps_the_latest_run_of_each_cpu_class_newest_first(tmp_path: Path) -> None:
+    state = tmp_path / "s.json"
+    # a file from before the classes were kept apart: one run, which stays as its class's
+    state.write_text(json.dumps({"stages": 20, "minutes": 42.1, "profile": "cpu", "cpu": "X (AVX2)", "ok": True, "resumed": 0}))
+    stage_times.latest_run(state, [("a", 600.0)], "cpu", "Y (AVX-512)", ok=True)
+    runs = stage_times.latest_runs(state)
+    assert list(runs) == ["Y (AVX-512)", "X (AVX2)"] and runs["X (AVX2)"]["minutes"] == 42.1
+    text = stage_times.summary(runs)
+    assert text.index("on Y (AVX-512): 1 stage(s) in 10.0 min") < text.index("on X (AVX2): 20 stage(s) in 42.1 min")
+    stage_times.latest_run(state, [("a", 60.0)], "cpu", "X (AVX2)", ok=True)  # a newer run on a class replaces its old one
+    assert [(c, r["minutes"]) for c, r in stage_times.latest_runs(state).items()] == [("X (AVX2)", 1.0), ("Y (AVX-512)", 10.0)]
 
 
 def test_repro_all_runs_without_the_frozen_marks_and_puts_dvc_yaml_back(tmp_path: Path) -> None:

@@ -168,26 +168,39 @@ def update(table: Path, times: list[tuple[str, float]], profile: str, cpu: str =
 
 
 def latest_run(state: Path, times: list[tuple[str, float]], profile: str, cpu: str, ok: bool) -> dict[str, Any]:
-    """The latest ``make repro`` as {stages, minutes, profile, cpu, ok, resumed}, written to ``state``. A run that
-    follows a failed one on the same CPU and profile resumes it (DVC skips the stages that finished, and a failed
-    stage has no time), so the two count as one run."""
+    """The latest ``make repro`` on ``cpu`` as {stages, minutes, profile, cpu, ok, resumed}, kept in ``state`` beside
+    the latest run on each other CPU class. A run that follows a failed one on the same CPU and profile resumes it
+    (DVC skips the stages that finished, and a failed stage has no time), so the two count as one run."""
     run = {"stages": len(times), "minutes": round(sum(t for _, t in times) / 60, 2), "profile": profile, "cpu": cpu,
-           "ok": ok, "resumed": 0}
-    prev = json.loads(state.read_text()) if state.exists() else None
-    if prev and not prev["ok"] and (prev["cpu"], prev["profile"]) == (cpu, profile):
+           "ok": ok, "resumed": 0, "measured": time.strftime("%Y-%m-%d")}
+    runs = latest_runs(state)
+    prev = runs.get(cpu)
+    if prev and not prev["ok"] and prev["profile"] == profile:
         run.update(stages=prev["stages"] + run["stages"], minutes=round(prev["minutes"] + run["minutes"], 2),
                    resumed=prev["resumed"] + 1)
-    state.write_text(json.dumps(run, indent=2) + "\n")
+    runs = {cpu: run, **{c: r for c, r in runs.items() if c != cpu}}  # the latest first
+    state.write_text(json.dumps({"by_cpu": runs}, indent=2) + "\n")
     return run
 
 
-def summary(run: dict[str, Any]) -> str:
-    """The latest run in one line, for the README (embedded by ``lowmem.pipeline.docs``); the commits stay in the
+def latest_runs(state: Path) -> dict[str, dict[str, Any]]:
+    """The latest ``make repro`` on each CPU class, the most recent first (a file from before the classes were kept
+    apart holds one run)."""
+    data = json.loads(state.read_text()) if state.exists() else {}
+    return data["by_cpu"] if "by_cpu" in data else ({data["cpu"]: data} if data else {})
+
+
+def summary(runs: dict[str, dict[str, Any]]) -> str:
+    """The latest run on each CPU class, for the README (embedded by ``lowmem.pipeline.docs``); the commits stay in the
     stage table, since the README holds no history."""
-    resumed = f" (resumed {run['resumed']} time(s) after a failure)" if run["resumed"] else ""
-    return (f"{'Latest' if run['ok'] else 'Latest (failed)'} `make repro`: {run['stages']} stage(s) in "
-            f"{run['minutes']:.1f} min{resumed} at profile `{run['profile']}` on {run['cpu']}, 2 cores (the commit of "
-            f"each stage: figures/stage_times.md).\n")
+    def one(run: dict[str, Any]) -> str:
+        resumed = f", resumed {run['resumed']} time(s) after a failure" if run["resumed"] else ""
+        failed = " (failed)" if not run["ok"] else ""
+        return (f"on {run['cpu']}{failed}: {run['stages']} stage(s) in {run['minutes']:.1f} min at profile "
+                f"`{run['profile']}`{resumed}")
+
+    return (f"Latest `make repro` on each CPU class measured, 2 cores: {'; '.join(one(r) for r in runs.values())} "
+            "(the commit of each stage: figures/stage_times.md).\n")
 
 
 def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
@@ -235,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     if times:
         save(times)
         if args.all or cmd == ["dvc", "repro"]:  # the README's line is `make repro`'s; a rerun of named stages is not one
-            run = latest_run(Path(f"{args.out}_summary.json"), times, profile, cpu, rc == 0)
-            Path(f"{args.out}_summary.md").write_text(summary(run))
+            state = Path(f"{args.out}_summary.json")
+            latest_run(state, times, profile, cpu, rc == 0)
+            Path(f"{args.out}_summary.md").write_text(summary(latest_runs(state)))
         write_frozen(Path(f"{args.out}_frozen"))
         print(f"{len(times)} stage(s) ran in {(time.monotonic() - t0) / 60:.1f} min; times in {args.out}.md")
     # The README's and docs/'s embedded tables follow the files the run just wrote (lowmem.pipeline.docs).
