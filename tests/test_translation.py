@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -190,6 +191,27 @@ def test_a_command_forked_from_the_server_trains_as_a_fresh_fairseq_train_proces
     alone = subprocess.run([sys.executable, "-m", "fairseq_cli.train", *argv], capture_output=True, text=True, env=commands.env())
     assert bad.returncode == alone.returncode != 0
     assert bad.stderr.strip().splitlines()[-1] == alone.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_an_interrupted_caller_leaves_no_command_running(trained: tuple[Path, list[dict], TranslationTrainParams],
+                                                        tmp_path: Path) -> None:
+    # Ctrl-C in a notebook while fairseq-train runs: the command stops with its caller, not on behind it.
+    data, _, t = trained
+    log = tmp_path / "train.log"
+    args = translation.train_args(dataclasses.replace(t, max_update=100_000), data / "bin", tmp_path)
+    args[args.index("--log-interval") + 1] = "1"
+
+    def interrupt_once_training() -> None:
+        if log.exists() and "num_updates" in log.read_text():  # updating: the first --log-interval's line is out
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        commands.run("train", args, log, poll=interrupt_once_training)
+    size = log.stat().st_size
+    time.sleep(3)  # at --log-interval 1 a running fairseq-train logs every few milliseconds
+    assert log.stat().st_size == size and "done training" not in log.read_text()
+    assert commands.captured("train", [str(data / "bin"), "--no-such-option"]).returncode != 0  # a fresh server serves
 
 
 @pytest.mark.slow

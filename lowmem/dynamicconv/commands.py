@@ -12,11 +12,12 @@ for fairseq's checkpoints only, issue 49). The server holds no threads and runs 
 
 Protocol: one JSON request a line on the server's stdin, one JSON answer a line (the exit status, negative for a
 signal, as ``subprocess``) on a pipe of its own; the server's stdout and stderr carry only fairseq's import-time noise.
-When its caller goes away (stdin closes), the server stops the command it runs and exits.
+When its caller goes away or is interrupted (stdin closes), the server stops the command it runs and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -27,6 +28,7 @@ import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 TOOLS = ("train", "generate", "preprocess")
 
@@ -81,12 +83,13 @@ def serve(answers: int) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
+            reply.close()  # so that the caller sees the server's end even while a command it forked runs on
             _child(req)
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 break
-            ready, _, _ = select.select([sys.stdin], [], [], 0.2)
+            ready, _, _ = select.select([sys.stdin], [], [], 0.05)
             # The caller sends nothing while a command runs, so stdin readable now means it is gone: stop the command.
             if ready and not os.read(sys.stdin.fileno(), 1):
                 os.kill(pid, signal.SIGTERM)
@@ -99,30 +102,54 @@ class _Server:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen[str] | None = None
-        self.answers = None
+        self.answers: IO[str] | None = None
+        self.noise: IO[bytes] | None = None  # the server's own output: fairseq's import-time messages, or its crash
 
     def start(self) -> None:
         r, w = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(w)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, text=True, pass_fds=(w,))
+        self.noise = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(w)], stdin=subprocess.PIPE, stdout=self.noise,
+                                     stderr=self.noise, text=True, pass_fds=(w,))
         os.close(w)
         self.answers = os.fdopen(r, "r")
+
+    def stop(self) -> None:
+        """Closes the server's stdin, so that it stops the command it runs and exits."""
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
 
     def run(self, req: dict, poll: Callable[[], None]) -> int:
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.start()
             assert self.proc is not None and self.proc.stdin is not None and self.answers is not None
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-            while True:
-                ready, _, _ = select.select([self.answers], [], [], 1.0)
-                poll()
-                if ready:
-                    line = self.answers.readline()
-                    if not line:
-                        raise RuntimeError("fairseq's command server died; rerun, and see fairseq's own output above")
-                    return int(json.loads(line))
+            try:
+                self.proc.stdin.write(json.dumps(req) + "\n")
+                self.proc.stdin.flush()
+                while True:
+                    ready, _, _ = select.select([self.answers], [], [], 1.0)
+                    poll()
+                    if ready:
+                        line = self.answers.readline()
+                        if not line:
+                            raise RuntimeError(f"fairseq's command server died; its output:\n{self._noise()}")
+                        return int(json.loads(line))
+            except BaseException:
+                # Interrupted (Ctrl-C in a notebook, say) or failed: the command must not run on behind this caller,
+                # and the next one starts a fresh server.
+                self.stop()
+                raise
+
+    def _noise(self) -> str:
+        assert self.noise is not None
+        self.noise.seek(0)
+        return self.noise.read().decode(errors="replace")[-3000:]
 
 
 _SERVER = _Server()
