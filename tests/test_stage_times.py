@@ -148,6 +148,9 @@ def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp
     assert (a["seconds: X (AVX2)"], a["seconds: Y (AVX-512)"], a["seconds: not recorded"], a["commit"]) == (9.0, 4.0, 5.0, "def5678")
     b = shown.set_index("stage").loc["b"]
     assert b["seconds: X (AVX2)"] == 2.0 and pd.isna(b["seconds: Y (AVX-512)"]) and b["commit"] == "abc1234"
-    line = stage_times.summary({"stages": 2, "minutes": 1.5, "profile": "cpu", "cpu": "X (AVX2)", "ok": True, "resumed": 0})
-    assert line == ("Latest `make repro`: 2 stage(s) in 1.5 min at profile `cpu` on X (AVX2), 2 cores (the commit of each "
-                    "stage: figures/stage_times.md).\n")
+    line = stage_times.summary({
+        "Y (AVX-512)": {"stages": 20, "minutes": 32.1, "profile": "cpu", "cpu": "Y (AVX-512)", "ok": True, "resumed": 0},
+        "X (AVX2)": {"stages": 2, "minutes": 1.5, "profile": "cpu", "cpu": "X (AVX2)", "ok": False, "resumed": 1}})
+    assert line == ("Latest `make repro` on each CPU class measured, 2 cores: on Y (AVX-512): 20 stage(s) in 32.1 min at "
+                    "profile `cpu`; on X (AVX2) (failed): 2 stage(s) in 1.5 min at profile `cpu`, resumed 1 time(s) after "
+                    "a failure (the commit of each stage: figures/stage_times.md).\n")
