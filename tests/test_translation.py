@@ -228,10 +228,12 @@ def test_fairseq_generate_gives_a_bleu_line_the_pipeline_parses(trained: tuple[P
 @pytest.mark.slow
 def test_a_finished_command_is_not_rerun_and_another_starts_over(trained: tuple[Path, list[dict], TranslationTrainParams]) -> None:
     data, records, t = trained
+    run = translation.store_run(t, data)
+    before = [e["event"] for e in runs.ledger() if e["key"] == run.key]  # other tests of the module reuse it too
     again = translation.train(t, data)  # finished by this command: read from the store, fairseq is not restarted
     assert again == records
-    run = translation.store_run(t, data)
-    assert [e["event"] for e in runs.ledger() if e["key"] == run.key] == ["trained", "reused"]
+    assert before[0] == "trained" and "trained" not in before[1:]
+    assert [e["event"] for e in runs.ledger() if e["key"] == run.key] == before + ["reused"]
     longer = TranslationTrainParams(**{**t.__dict__, "max_update": 40})
     assert translation.store_run(longer, data).key != run.key
     fresh = translation.train(longer, data)  # another command: another run, the old checkpoints are not resumed
