@@ -114,7 +114,7 @@ def test_make_repro_refreshes_the_readme_and_docs_embedded_tables(tmp_path: Path
     assert (tmp_path / "docs" / "p.md").read_text() == block.format("| a |\n|---|\n| 2 |")
     # A command other than `make repro`'s (named stages, say) times its stages but is not the README's run.
     assert (tmp_path / "figures" / "stage_times.csv").exists() and not (tmp_path / "figures" / "stage_times_summary.md").exists()
-    monkeypatch.setattr(stage_times, "timed", lambda cmd, done=None: (0, [("a", 60.0)]) if cmd == ["dvc", "repro"] else (1, []))
+    monkeypatch.setattr(stage_times, "timed", lambda cmd, done=None, started=None: (0, [("a", 60.0)]) if cmd == ["dvc", "repro"] else (1, []))
     assert stage_times.main(["--out", "figures/stage_times"]) == 0
     assert f"on {stage_times.cpu_class()}: 1 stage(s) in 1.0 min" in (tmp_path / "figures" / "stage_times_summary.md").read_text()
 
@@ -154,3 +154,24 @@ def test_each_stage_keeps_its_time_per_cpu_class_with_the_commit_that_ran_it(tmp
     assert line == ("Latest `make repro` on each CPU class measured, 2 cores: on Y (AVX-512): 20 stage(s) in 32.1 min at "
                     "profile `cpu`; on X (AVX2) (failed): 2 stage(s) in 1.5 min at profile `cpu`, resumed 1 time(s) after "
                     "a failure (the commit of each stage: figures/stage_times.md).\n")
+
+
+def test_each_stage_shows_the_runs_it_trained_and_the_ones_it_took_from_the_store(tmp_path: Path) -> None:
+    # Events are given to the stage that had started last when they were logged; one logged before any stage of
+    # this run started is another run's.
+    import time as _time
+    t0 = _time.mktime(_time.strptime("2026-12-07T10:00:00", "%Y-%m-%dT%H:%M:%S"))
+    started = {"train": t0 + 0.4, "reuse": t0 + 30.7, "report": t0 + 60.2}
+    at = lambda s: _time.strftime("%Y-%m-%dT%H:%M:%S", _time.localtime(t0 + s))  # noqa: E731
+    ledger = [{"key": "k0", "event": "trained", "time": at(-5)},
+              {"key": "k1", "event": "trained", "time": at(10)}, {"key": "k2", "event": "trained", "time": at(29)},
+              {"key": "k1", "event": "reused", "time": at(30)},  # the second reuse started in: the store keeps seconds
+              {"key": "k2", "event": "reused", "time": at(31)}, {"key": "k3", "event": "reused", "time": at(59)}]
+    use = stage_times.store_use(started, ledger)
+    assert use == {"train": "trained 2", "reuse": "reused 3", "report": "none"}
+    table = tmp_path / "t"
+    pd.DataFrame([{"stage": "train", "seconds": 300.0, "measured": "2026-01-01", "profile": "cpu", "cpu": "X (AVX2)",
+                   "commit": "abc1234"}]).to_csv(table.with_suffix(".csv"), index=False)
+    t = stage_times.update(table, [("reuse", 4.5)], "cpu", cpu="X (AVX2)", made_by="def5678", store=use)
+    shown = stage_times.by_cpu(t).set_index("stage")
+    assert shown.loc["train", "store_runs"] == "not recorded" and shown.loc["reuse", "store_runs"] == "reused 3"

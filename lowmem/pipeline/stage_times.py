@@ -32,6 +32,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from lowmem import runs
 from lowmem.pipeline import docs, outputs
 
 STARTED = re.compile(r"^Running stage '([^']+)':")
@@ -52,22 +53,25 @@ def repro_all(dvc_yaml: Path = Path("dvc.yaml")) -> tuple[list[list[str]], list[
     return [["dvc", "repro"]], [["dvc", "repro", "--force", "--single-item", *left_out(dvc_yaml)], ["dvc", "repro"]]
 
 
-def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
+def unfrozen(cmd: list[str], dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None,
+             started: dict[str, float] | None = None) -> tuple[int, list[tuple[str, float]]]:
     """Runs ``timed(cmd)`` with dvc.yaml's frozen marks removed; dvc.yaml is restored even on an interrupt."""
     text = dvc_yaml.read_text()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` runs on a plain kill too
     dvc_yaml.write_text(FROZEN.sub("", text))
     try:
-        return timed(cmd, done)
+        return timed(cmd, done, started)
     finally:
         dvc_yaml.write_text(text)
 
 
-def timed_all(dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
+def timed_all(dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None,
+              started: dict[str, float] | None = None) -> tuple[int, list[tuple[str, float]]]:
     """Runs ``repro_all``'s commands in turn, stopping at the first that fails."""
     plain, thawed = repro_all(dvc_yaml)
     times: list[tuple[str, float]] = []
-    for cmd, run in [*((c, lambda c: timed(c, done)) for c in plain), *((c, lambda c: unfrozen(c, dvc_yaml, done)) for c in thawed)]:
+    for cmd, run in [*((c, lambda c: timed(c, done, started)) for c in plain),
+                     *((c, lambda c: unfrozen(c, dvc_yaml, done, started)) for c in thawed)]:
         rc, t = run(cmd)
         times += t
         if rc != 0:
@@ -75,12 +79,12 @@ def timed_all(dvc_yaml: Path = Path("dvc.yaml"), done: Done | None = None) -> tu
     return 0, times
 
 
-def timed(cmd: list[str], done: Done | None = None) -> tuple[int, list[tuple[str, float]]]:
+def timed(cmd: list[str], done: Done | None = None, started: dict[str, float] | None = None) -> tuple[int, list[tuple[str, float]]]:
     """Runs ``cmd``, echoing its output; returns its exit code and (stage, seconds) of the stages that finished, in
     the order they ran. ``done(stage, seconds)`` is called as each stage finishes (the next one starts), so that a
     run stopped midway keeps the times of the stages it finished. The stage DVC names as failed gets no time; DVC can
     fail a stage before it starts it (a missing dep), and then every stage that started finished. A run that stops
-    without naming one (killed) did not finish the stage it was in."""
+    without naming one (killed) did not finish the stage it was in. ``started`` gets each stage's wall-clock start."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     assert proc.stdout is not None
     starts: list[tuple[str, float]] = []
@@ -98,6 +102,8 @@ def timed(cmd: list[str], done: Done | None = None) -> tuple[int, list[tuple[str
             if starts and done:
                 done(starts[-1][0], round(time.monotonic() - starts[-1][1], 1))
             starts.append((m.group(1), time.monotonic()))
+            if started is not None:
+                started[m.group(1)] = time.time()
     rc = proc.wait()
     if frozen:
         print(f"{frozen} stage(s) left out of the default pipeline kept their committed results (`make repro-all` runs them)")
@@ -152,16 +158,33 @@ def write_frozen(out: Path) -> None:
                        "`make repro-all` reruns them.")
 
 
+def store_use(started: dict[str, float], ledger: list[dict[str, Any]]) -> dict[str, str]:
+    """What each stage that ran took from the run store (``lowmem.runs``): 'trained N, reused M' from the store's
+    ledger, each event given to the stage that had started last when it was logged (the ledger keeps whole seconds).
+    A stage that reuses its runs does not train, and its time says nothing of training's."""
+    order = sorted(started.items(), key=lambda kv: kv[1])
+    counts: dict[str, dict[str, int]] = {}
+    for e in ledger:
+        t = time.mktime(time.strptime(e["time"], "%Y-%m-%dT%H:%M:%S"))
+        owner = [name for name, start in order if int(start) <= t]
+        if owner:
+            c = counts.setdefault(owner[-1], {"trained": 0, "reused": 0})
+            c[e["event"]] = c.get(e["event"], 0) + 1
+    return {name: (", ".join(f"{k} {v}" for k, v in counts[name].items() if v) if name in counts else "none")
+            for name in started}
+
+
 def update(table: Path, times: list[tuple[str, float]], profile: str, cpu: str = "not recorded",
-           made_by: str = "not recorded") -> pd.DataFrame:
-    """The stage-time table with this run's times: one row per stage and CPU class, the latest of each kept."""
+           made_by: str = "not recorded", store: dict[str, str] | None = None) -> pd.DataFrame:
+    """The stage-time table with this run's times: one row per stage and CPU class, the latest of each kept;
+    ``store``: each stage's runs from the run store (``store_use``)."""
     old = pd.read_csv(table.with_suffix(".csv")) if table.with_suffix(".csv").exists() else pd.DataFrame()
-    for col in ("cpu", "commit"):
+    for col in ("cpu", "commit", "store_runs"):
         if len(old) and col not in old:
             old[col] = "not recorded"  # rows from before the table named them
     today = time.strftime("%Y-%m-%d")
-    new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile, "cpu": cpu, "commit": made_by}
-                        for s, t in times])
+    new = pd.DataFrame([{"stage": s, "seconds": t, "measured": today, "profile": profile, "cpu": cpu, "commit": made_by,
+                         "store_runs": (store or {}).get(s, "not recorded")} for s, t in times])
     if len(old) and len(new):
         old = old[~(old.stage.isin(new.stage) & (old.cpu == cpu))]
     return pd.concat([old, new], ignore_index=True)
@@ -204,11 +227,13 @@ def summary(runs: dict[str, dict[str, Any]]) -> str:
 
 
 def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
-    """The table as it is shown: one row per stage, its seconds on each CPU class measured, and the commit, date
-    and profile of its latest run."""
+    """The table as it is shown: one row per stage, its seconds on each CPU class measured, and the commit, date,
+    profile and run-store use of its latest run."""
     order = list(dict.fromkeys(table.stage))
     seconds = table.pivot_table(index="stage", columns="cpu", values="seconds", aggfunc="last").reindex(order)
-    latest = table.groupby("stage", sort=False).last()[["commit", "measured", "profile"]].reindex(order)
+    if "store_runs" not in table:
+        table = table.assign(store_runs="not recorded")
+    latest = table.groupby("stage", sort=False).last()[["commit", "measured", "profile", "store_runs"]].reindex(order)
     return pd.concat([seconds.rename(columns=lambda c: f"seconds: {c}"), latest], axis=1).reset_index()
 
 
@@ -228,13 +253,18 @@ def main(argv: list[str] | None = None) -> int:
     cmd = ["make", "repro-all"] if args.all else cmd
     cpu = cpu_class()
 
+    started: dict[str, float] = {}
+    since = time.time() - 1  # the ledger's events of this run only
+
     def save(times: list[tuple[str, float]]) -> pd.DataFrame:
-        table = update(args.out, times, profile, cpu, made_by)
+        events = [e for e in runs.ledger() if time.mktime(time.strptime(e["time"], "%Y-%m-%dT%H:%M:%S")) >= int(since)]
+        table = update(args.out, times, profile, cpu, made_by, store_use(started, events))
         outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
                            f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
                            f"of its outputs; commit: the checkout that made the stage's figures (+changes: with "
-                           f"uncommitted changes). Latest run: {len(times)} stage(s), {sum(t for _, t in times) / 60:.1f} "
-                           f"min, profile `{profile}`, on {cpu}.")
+                           f"uncommitted changes); store runs: the runs its latest run trained, or took from the run "
+                           f"store (data/runs) and so did not train. Latest run: {len(times)} stage(s), "
+                           f"{sum(t for _, t in times) / 60:.1f} min, profile `{profile}`, on {cpu}.")
         table.to_csv(args.out.with_suffix(".csv"), index=False)  # the long table, one row per stage and CPU class
         return table
 
@@ -244,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         finished.append((stage, seconds))
         save(finished)
 
-    rc, times = timed_all(done=done) if args.all else timed(cmd, done)
+    rc, times = timed_all(done=done, started=started) if args.all else timed(cmd, done, started)
     if times:
         save(times)
         if args.all or cmd == ["dvc", "repro"]:  # the README's line is `make repro`'s; a rerun of named stages is not one
