@@ -90,7 +90,7 @@ def test_the_committed_headline_says_how_each_row_is_known_and_what_it_resolves(
             assert f["resolution"] != "exact" and f["ours: 95% low"] < 0 < f["ours: 95% high"], f
         assert s["how known"].split(" ")[0].rstrip(",") == f["how known"].split(" ")[0].rstrip(","), (s, f)
         if f["task"] == "dynamicconv":
-            assert s["on a GPU"] == "not measurable (no fairseq on the GPU check)"
+            assert s["measured reduction"] == "not measured (no fairseq on the GPU check)"
 
 
 def test_the_gpu_column_is_the_measured_baseline_over_the_configuration(tmp_path: Path) -> None:
@@ -105,6 +105,20 @@ def test_the_gpu_column_is_the_measured_baseline_over_the_configuration(tmp_path
     assert report.gpu_cell("dynamicconv", "checkpoint-block", gpu) == "not measurable (no fairseq on the GPU check)"
     (tmp_path / "metrics" / "gpu" / "gpu_check.json").write_text(json.dumps({**g, "dry": True}))
     assert report.gpu_measured(r) == {}  # a dry run's numbers are the CPU's, never a GPU's
+
+
+def test_the_measured_column_puts_the_cpu_checks_reduction_beside_the_gpus(tmp_path: Path) -> None:
+    (tmp_path / "metrics").mkdir()
+    rows = [{"configuration": "baseline", "measured_reduction": 1.0},
+            {"configuration": "checkpoint-block", "measured_reduction": 2.5}]
+    (tmp_path / "metrics" / "cpu_check.json").write_text(json.dumps({"cpu": "CPU Y", "rows": rows}))
+    r = report.Report(root=tmp_path, metrics={}, reference={})
+    cpu, gpu = report.cpu_measured(r), {"checkpoint-block": (1.25, "GPU X")}
+    assert report.measured_cell("wrn", "checkpoint-block", gpu, cpu) == "1.25x on GPU X; 2.50x on CPU Y"
+    assert report.measured_cell("wrn", "checkpoint-block", {}, cpu) == "2.50x on CPU Y"
+    assert report.measured_cell("wrn", "microbatch-8", gpu, cpu) == "not measured"
+    assert report.cpu_cell("wrn", "checkpoint-block", cpu) == "2.50x measured (CPU Y)"
+    assert report.cpu_measured(report.Report(root=tmp_path / "none", metrics={}, reference={})) == {}
 
 
 def test_the_headline_shows_the_confirming_run_beside_a_row_carried_through_exact_microbatching(tmp_path: Path) -> None:

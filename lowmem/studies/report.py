@@ -151,13 +151,15 @@ def headline_full(r: Report) -> pd.DataFrame:
     full["resolution"] = c.get("our_resolution", "")
     full["verdict"] = c.get("our_verdict", "")
     full["on a GPU"] = [gpu_cell(t, cfg, gpu) for t, cfg in zip(c.task, c.our_config)]
+    cpu = cpu_measured(r)
+    full["on this CPU"] = [cpu_cell(t, cfg, cpu) for t, cfg in zip(c.task, c.our_config)]
     return full
 
 
 def headline(r: Report) -> pd.DataFrame:
     """The headline as the README shows it, in eight columns; ``headline_caption`` holds each task's setting."""
     c = comparison(r)
-    gpu = gpu_measured(r)
+    gpu, cpu = gpu_measured(r), cpu_measured(r)
     rows = []
     for row in c.itertuples():
         found = isinstance(row.our_config, str) and not pd.isna(row.our_reduction)
@@ -177,7 +179,7 @@ def headline(r: Report) -> pd.DataFrame:
                      "rule": row.rule, "paper": f"{row.paper_reduction:g}x at {row.paper_change:g}",
                      "ours": f"{row.our_reduction:.2f}x: {row.our_config}" if found else row.our_config,
                      "quality change [95%]": quality, "how known": how,
-                     "on a GPU": gpu_cell(row.task, row.our_config, gpu)})
+                     "measured reduction": measured_cell(row.task, row.our_config, gpu, cpu)})
     return pd.DataFrame(rows)
 
 
@@ -197,6 +199,34 @@ def gpu_measured(r: Report) -> dict[str, tuple[float, str]]:
         return {}
     mem = {m["configuration"]: m["measured_mib"] for m in g["memory"]}
     return {k: (mem["baseline"] / v, g["device"]) for k, v in mem.items()} if "baseline" in mem else {}
+
+
+CPU_CHECK = Path("metrics/cpu_check.json")
+
+
+def cpu_measured(r: Report) -> dict[str, tuple[float, str]]:
+    """What stage cpu_check measured on the pipeline's CPU (``metrics/cpu_check.json``): configuration -> (the
+    baseline's measured peak over the configuration's, the CPU's name). Empty where it has not run."""
+    path = r.root / CPU_CHECK
+    if not path.exists():
+        return {}
+    c = json.loads(path.read_text())
+    return {m["configuration"]: (m["measured_reduction"], c["cpu"]) for m in c["rows"]}
+
+
+def cpu_cell(task: str, config: str, cpu: dict[str, tuple[float, str]]) -> str:
+    """The full headline's CPU column: the measured reduction and the CPU, or why there is none."""
+    if task == "dynamicconv":
+        return "not measured (stage cpu_check measures WRN's configurations)"
+    return f"{cpu[config][0]:.2f}x measured ({cpu[config][1]})" if config in cpu else "not measured"
+
+
+def measured_cell(task: str, config: str, gpu: dict[str, tuple[float, str]], cpu: dict[str, tuple[float, str]]) -> str:
+    """The headline's measured column: the reduction measured on the GPU and on this CPU, each with its device."""
+    if task == "dynamicconv":
+        return "not measured (no fairseq on the GPU check)"
+    parts = [f"{d[config][0]:.2f}x on {d[config][1]}" for d in (gpu, cpu) if config in d]
+    return "; ".join(parts) or "not measured"
 
 
 def gpu_cell(task: str, config: str, gpu: dict[str, tuple[float, str]]) -> str:
@@ -225,8 +255,9 @@ def headline_caption(r: Report) -> str:
             "microbatching, whose gradient equals the whole batch's with dropout off, by test: zero, with two seeds' "
             "noise as its interval), or **carried** (it takes the named run's quality, the levers that differ being "
             f"exact or equal up to dropout draws by test). Tests: {'; '.join(tests) or 'none'}. **not resolved**: within budget by the mean "
-            "rule, but the interval is wider than twice the budget. On a GPU: the baseline's measured peak over the "
-            f"configuration's, from the GPU check (`{GPU_CHECK}`).{batching} Settings: {settings}. "
+            "rule, but the interval is wider than twice the budget. Measured reduction: the baseline's measured peak over "
+            f"the configuration's, at the same full size, on a GPU by the GPU check (`{GPU_CHECK}`) and on this CPU by "
+            f"stage cpu_check (`{CPU_CHECK}`, the CPU allocator's peak, op workspace included).{batching} Settings: {settings}. "
             f"{frontier.rules_text()} Every column: figures/00_headline_full.md.")
 
 
