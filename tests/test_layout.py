@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "lowmem"
 LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "studies": 3, "cli": 4, "pipeline": 5, "fairseq_user_dir": 5}
-COMMON = ("config", "runs")
+COMMON = ("config", "runs", "cpu")
 
 
 def _part(module: str) -> str:

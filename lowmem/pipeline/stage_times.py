@@ -33,6 +33,7 @@ import pandas as pd
 import yaml
 
 from lowmem import runs
+from lowmem.cpu import cpu_class
 from lowmem.pipeline import docs, outputs
 
 STARTED = re.compile(r"^Running stage '([^']+)':")
@@ -113,18 +114,6 @@ def timed(cmd: list[str], done: Done | None = None, started: dict[str, float] | 
     if rc != 0 and times and failed is None:
         times = times[:-1]
     return rc, [(name, t) for name, t in times if name != failed]
-
-
-def cpu_class(cpuinfo: str | None = None) -> str:
-    """The CPU as the budgets tell machines of this kind apart: its model and its widest vector instructions
-    (AMX, AVX-512 or AVX2; bf16 training is about 30x slower without AVX-512's bf16 or AMX)."""
-    if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "unknown CPU")
-    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), []))
-    isa = ("AVX-512, AMX" if "amx_bf16" in flags else "AVX-512, bf16" if "avx512_bf16" in flags
-           else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
-    return f"{model} ({isa})"
 
 
 def commit() -> str:

@@ -28,9 +28,9 @@ import yaml
 from tqdm import tqdm
 
 from lowmem import runs
+from lowmem.cpu import cpu_class
 from lowmem.memory.measure import CPUWorkspace
 from lowmem.studies import gpu_check
-from lowmem.studies.quality import machine
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="stage memory_profile's resolved parameters (model, reference_batch_size, the input's shape)")
     ap.add_argument("--out", type=Path, default=Path("metrics/cpu_check.json"))
     ap.add_argument("--table", type=Path, default=Path("figures/00_cpu_check"), help="CSV and Markdown, without suffix")
+    ap.add_argument("--raw", type=Path, help="also write the result here (stage cpu_check: DVC's cached copy, which a "
+                    "fresh clone lacks, so that `make repro` measures this machine again)")
     ap.add_argument("--comparison", type=Path, default=COMPARISON, help="the rows to measure (task, our_config)")
     args = ap.parse_args(argv)
     mp = yaml.safe_load(args.params.read_text())
@@ -97,9 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    res = {"cpu": machine(), "torch": torch.__version__, "when": time.strftime("%Y-%m-%d"), "model": mp["model"],
+    res = {"cpu": cpu_class(), "torch": torch.__version__, "when": time.strftime("%Y-%m-%d"), "model": mp["model"],
            "batch_size": mp["reference_batch_size"], "rows": measure(check, configs)}
-    runs.write_json(args.out, res)
+    for path in (args.out, args.raw) if args.raw else (args.out,):
+        runs.write_json(path, res)
     t = table(res)
     t.to_csv(args.table.with_suffix(".csv"), index=False)
     args.table.with_suffix(".md").write_text(caption(res) + "\n\n" + t.to_markdown(index=False) + "\n")
