@@ -27,9 +27,11 @@ def test_the_configurations_are_the_baseline_and_each_wrn_row_of_the_comparison_
 
 def test_a_comparison_row_the_sweep_lacks_is_refused_with_what_to_run(tmp_path: Path) -> None:
     comparison = tmp_path / "c.csv"
-    comparison.write_text("task,our_config\nwrn,checkpoint-everything\n")
+    comparison.write_text("task,our_config,our_reduction\nwrn,checkpoint-everything,3.0\n")
     with pytest.raises(ValueError, match=r"checkpoint-everything.*dvc repro combinations"):
         cpu_check.configurations(TINY, comparison)
+    comparison.write_text("task,our_config,our_reduction\nwrn,none trained within the budget,\nwrn,checkpoint-block,2.85\n")
+    assert [n for n, _ in cpu_check.configurations(TINY, comparison)] == ["baseline", "checkpoint-block"]
 
 
 def test_each_row_is_measured_against_the_accountant_and_the_baseline(tmp_path: Path) -> None:

@@ -44,9 +44,11 @@ COLUMNS = {"configuration": "configuration", "measured_mib": "measured (MiB)", "
 
 
 def configurations(check: gpu_check.Check, comparison: Path = COMPARISON, sweep: Path = SWEEP) -> list[tuple[str, Techniques]]:
-    """(name, techniques): the baseline, then each WRN configuration of the comparison once, in its order."""
+    """(name, techniques): the baseline, then each WRN configuration of the comparison once, in its order; a
+    ValueError names a configuration the sweep does not hold."""
     grid = {r["name"]: json.loads(r["config"]) for r in csv.DictReader(sweep.open())}
-    rows = [r["our_config"] for r in csv.DictReader(comparison.open()) if r["task"] == "wrn"]
+    # A row without a reduction names no configuration ("none trained within ..."): nothing to measure.
+    rows = [r["our_config"] for r in csv.DictReader(comparison.open()) if r["task"] == "wrn" and r.get("our_reduction", "?")]
     missing = sorted({n for n in rows if n not in grid})
     if missing:
         raise ValueError(f"{comparison.name} names {missing}, which {sweep.name} does not hold: rerun stage "
