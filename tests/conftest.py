@@ -34,6 +34,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # must train what it asserts on, and must not fill the store a reader's pipeline uses.
     os.environ["LOWMEM_RUNS"] = tempfile.mkdtemp(prefix="lowmem-test-runs-")
     config.stash[RUNS] = os.environ["LOWMEM_RUNS"]
+    # lowmem profile's cache of measured op workspace (lowmem.cli.device_bytes): not the user's ~/.cache.
+    os.environ["LOWMEM_CACHE"] = os.path.join(os.environ["LOWMEM_RUNS"], "cache")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -20,7 +20,7 @@ import sys
 import textwrap
 import time
 
-from lowmem.cli import fits, hf, models, plan_output
+from lowmem.cli import device_bytes, fits, hf, models, plan_output
 from lowmem.cli import plan as planner
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, measure
@@ -75,11 +75,12 @@ def profile_cmd(args: argparse.Namespace) -> int:
     else:
         report, with_workspace = account(req), None
     seconds = time.perf_counter() - t0
+    device = None if args.tensors_only or args.measure or req.spec.kind == "fairseq" else _device_bytes(req, report.peak)
     notes = [] if req.spec.kind == "fairseq" else gap_notes(models.build(req.spec, "meta"))
     if args.json:
         print(json.dumps({**report.to_dict(), "model": req.model, "batch": req.batch, "optimizer": req.optimizer,
                           "step": req.step, "accounted_with_cpu_workspace_bytes": with_workspace, "known_gaps": notes,
-                          "seconds": round(seconds, 2)}, indent=2))
+                          "device": device, "seconds": round(seconds, 2)}, indent=2))
         return 0
     where = "fairseq's update" if req.spec.kind == "fairseq" else "tensors without values (fake CPU tensors)"
     per = f" split over {req.devices} devices ({sharding.MODES[req.shard]}), peak per device" if req.devices > 1 else ""
@@ -90,9 +91,30 @@ def profile_cmd(args: argparse.Namespace) -> int:
     if with_workspace is not None:
         gap = 100 * (with_workspace - report.measured_peak) / report.measured_peak
         print(f"| accounted + CPU op workspace | {with_workspace / MIB:.2f} | gap {gap:+.2f}% |")
+    if device is not None:
+        print(f"\nWhat this CPU holds at the step's peak ({device['cpu']}):\n")
+        print("| line | MiB | how it is known |\n|---|---:|---|")
+        print(f"| tensors | {device['tensors_bytes'] / MIB:.2f} | accounted (the table above) |")
+        print(f"| op workspace | {device['op_workspace_bytes'] / MIB:.2f} | measured on this machine: {device['calls']} distinct "
+              f"op calls run once each at these shapes ({device['measured_now']} now, the rest from {device['cache']}), "
+              f"{device['seconds']:.1f} s |")
+        print("| library memory | not measured | held between ops; on a GPU, cuBLAS's workspace (docs/gpu-check.md) |")
+        print(f"| **device peak** | **{device['peak_bytes'] / MIB:.2f}** | tensors and op workspace at the step's peak |")
+    elif req.spec.kind == "fairseq" and not args.measure:
+        print("\nop workspace: not measured for fairseq's update (--measure runs it and gives its real peak)")
     for note in notes:
         print(f"\nwarning: {note}")
     return 0
+
+
+def _device_bytes(req: Request, tensors: int) -> dict:
+    """The step's peak with each op's CPU scratch (``lowmem.cli.device_bytes``), beside the tensors' peak."""
+    t0 = time.perf_counter()
+    ws = device_bytes.DiskWorkspace()
+    peak = account(req, workspace=ws).peak
+    ws.save()
+    return {"cpu": device_bytes.cpu_class(), "tensors_bytes": tensors, "op_workspace_bytes": peak - tensors, "peak_bytes": peak,
+            "calls": len(ws.cache), "measured_now": ws.new, "cache": str(ws.path), "seconds": time.perf_counter() - t0}
 
 
 def _say(text: str) -> None:
@@ -180,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of a Markdown table")
     p.add_argument("--measure", action="store_true", help="also run the step for real on the CPU and print the gap")
+    p.add_argument("--tensors-only", action="store_true",
+                   help="only the tensors: skip this CPU's op workspace (measured once per op call, then read from a cache)")
     p.add_argument("--step", choices=STEPS, default="plain",
                    help="the optimizer's step after backward (plain), or each parameter's inside backward (fused; one device, "
                         "no microbatches, fp32)")
