@@ -24,6 +24,7 @@ from lowmem.cli import device_bytes, fits, hf, models, plan_output
 from lowmem.cli import plan as planner
 from lowmem.cli.models import SpecError, shape
 from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, measure
+from lowmem.cpu import cpu_class
 from lowmem.memory import devices
 from lowmem.memory.accounting import MIB
 from lowmem.techniques import optimizers, sharding
@@ -113,7 +114,7 @@ def _device_bytes(req: Request, tensors: int) -> dict:
     ws = device_bytes.DiskWorkspace()
     peak = account(req, workspace=ws).peak
     ws.save()
-    return {"cpu": device_bytes.cpu_class(), "tensors_bytes": tensors, "op_workspace_bytes": peak - tensors, "peak_bytes": peak,
+    return {"cpu": cpu_class(), "tensors_bytes": tensors, "op_workspace_bytes": peak - tensors, "peak_bytes": peak,
             "calls": len(ws.cache), "measured_now": ws.new, "cache": str(ws.path), "seconds": time.perf_counter() - t0}
 
 

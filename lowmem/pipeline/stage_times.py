@@ -185,13 +185,13 @@ def latest_run(state: Path, times: list[tuple[str, float]], profile: str, cpu: s
     (DVC skips the stages that finished, and a failed stage has no time), so the two count as one run."""
     run = {"stages": len(times), "minutes": round(sum(t for _, t in times) / 60, 2), "profile": profile, "cpu": cpu,
            "ok": ok, "resumed": 0, "measured": time.strftime("%Y-%m-%d")}
-    runs = latest_runs(state)
-    prev = runs.get(cpu)
+    latest = latest_runs(state)
+    prev = latest.get(cpu)
     if prev and not prev["ok"] and prev["profile"] == profile:
         run.update(stages=prev["stages"] + run["stages"], minutes=round(prev["minutes"] + run["minutes"], 2),
                    resumed=prev["resumed"] + 1)
-    runs = {cpu: run, **{c: r for c, r in runs.items() if c != cpu}}  # the latest first
-    state.write_text(json.dumps({"by_cpu": runs}, indent=2) + "\n")
+    latest = {cpu: run, **{c: r for c, r in latest.items() if c != cpu}}  # the latest first
+    state.write_text(json.dumps({"by_cpu": latest}, indent=2) + "\n")
     return run
 
 
@@ -243,11 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu = cpu_class()
 
     started: dict[str, float] = {}
-    since = time.time() - 1  # the ledger's events of this run only
 
     def save(times: list[tuple[str, float]]) -> pd.DataFrame:
-        events = [e for e in runs.ledger() if time.mktime(time.strptime(e["time"], "%Y-%m-%dT%H:%M:%S")) >= int(since)]
-        table = update(args.out, times, profile, cpu, made_by, store_use(started, events))
+        # store_use gives no stage the events logged before this run's first stage started
+        table = update(args.out, times, profile, cpu, made_by, store_use(started, runs.ledger()))
         outputs.save_table(by_cpu(table), args.out, f"Wall time of each DVC stage the last time it ran on each CPU class "
                            f"(`make repro`, {' '.join(cmd)}), 2 CPU cores; the time of a stage includes DVC's hashing "
                            f"of its outputs; commit: the checkout that made the stage's figures (+changes: with "
