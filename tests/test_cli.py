@@ -304,11 +304,11 @@ def test_profile_prints_the_breakdown(capsys):
 
 @pytest.mark.parametrize("tech", [Techniques(), Techniques(checkpoint="block")])
 def test_the_accountant_and_memtracker_agree_on_the_peak(tech):
-    from lowmem.cli import crosscheck
+    from lowmem.studies import crosscheck
 
     r = crosscheck.memtracker(EXACT_FAMILIES["residual CNN"], tech)
     assert r["accountant_peak"] == r["memtracker_peak"]
-    # Weights are weights in both; the categories may differ elsewhere (see lowmem.cli.crosscheck).
+    # Weights are weights in both; the categories may differ elsewhere (see lowmem.studies.crosscheck).
     assert r["accountant_model"] == r["memtracker_model"]
 
 
@@ -316,7 +316,7 @@ def test_pytorchs_estimators_get_flop_counters_count_as_runtime():
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lowmem.cli import crosscheck
+    from lowmem.studies import crosscheck
 
     x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
     args = (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
@@ -327,7 +327,7 @@ def test_pytorchs_estimators_get_flop_counters_count_as_runtime():
 
 
 def test_the_sac_cross_check_asks_both_tools_to_free_more_and_each_recomputes_more():
-    from lowmem.cli import crosscheck
+    from lowmem.studies import crosscheck
 
     req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
     rows = crosscheck.sac_ilp(req, freed=(0.1, 0.2, 0.3))
@@ -352,7 +352,7 @@ def test_the_sac_cross_check_asks_both_tools_to_free_more_and_each_recomputes_mo
                       "optimizer_state": ["given"]}]}, "each model is a mapping with exactly"),
 ])
 def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
-    from lowmem.cli import params as _registers_the_stage  # noqa: F401
+    from lowmem.studies import planner_params as _registers_the_stage  # noqa: F401
     from lowmem.config import ParamError, resolve
 
     params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
@@ -362,7 +362,7 @@ def test_the_planner_stage_refuses_bad_params_naming_them(block, says):
 
 def test_the_planner_stage_gives_the_same_tables_on_two_processes_as_on_one():
     from lowmem import config
-    from lowmem.cli import study
+    from lowmem.studies import planner as study
 
     # One small model and the cross-checks at smoke size: three jobs, which can finish out of order on two processes
     # (the order of several models' jobs: the test below), at a budget where some levers are needed and one where
@@ -383,7 +383,7 @@ def test_the_planner_stage_keeps_its_jobs_order_when_they_finish_in_reverse(monk
     from functools import partial
 
     from lowmem import config
-    from lowmem.cli import crosscheck, study
+    from lowmem.studies import crosscheck, planner as study
 
     p = dataclasses.replace(config.load("planner"), workers=4)
     models = [dict(p.models[0], name=n) for n in ("first", "second")]
@@ -407,7 +407,7 @@ def test_the_planner_stage_keeps_its_jobs_order_when_they_finish_in_reverse(monk
 def test_the_sac_cross_check_is_the_same_whatever_numpys_global_generator_holds_and_leaves_it_as_it_was():
     import numpy as np
 
-    from lowmem.cli import crosscheck
+    from lowmem.studies import crosscheck
 
     req = Request("wrn:wrn-10-1", 8, (3, 32, 32), "sgd-momentum")
     rows = []
@@ -494,7 +494,7 @@ def test_plan_for_fairseq_prints_flags_whose_update_fits_and_the_least_update_fr
         assert fairseq_memory.account(args + eight, 64, 64, 16, 8).peak < fairseq_memory.account(args, 64, 64, 16, 8).peak
     change, low, label = plan_fairseq.risk({"precision": [], "checkpoint": [], "microbatch": opts["microbatch"][0],
                                             "optimizer": eight}, plan_fairseq.measured(plan.ROOT))
-    lever = plan_fairseq.levers_measured(plan.ROOT)["--optimizer lowmem_adamw8bit"]
+    lever = plan_fairseq.measured(plan.ROOT)["--optimizer lowmem_adamw8bit"]
     assert (change, low) == (lever["change"], lever["low"]) and label.startswith("--optimizer lowmem_adamw8bit: ")
     # The risk carries the seed noise, as the headline's interval does: wider than the run's bootstrap alone.
     run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_levers_train.json").read_text())["trained"]
@@ -515,7 +515,7 @@ def test_plan_for_fairseq_offers_kahan_adamw_under_bf16_weights_only_with_its_ri
     assert kahan and {r["optimizer"] for r in kahan} == {"lowmem_adamw_kahan"}
     assert {r["precision"] for r in kahan} == {"--precision half-bf16"}
     assert {r["checkpoint"] for r in kahan} == {"none", "--checkpoint-activations"}
-    lever = plan_fairseq.levers_measured(plan.ROOT)["--precision half-bf16 --optimizer lowmem_adamw_kahan"]
+    lever = plan_fairseq.measured(plan.ROOT)["--precision half-bf16 --optimizer lowmem_adamw_kahan"]
     run = next(r for r in json.loads((plan.ROOT / "metrics" / "translation_kahan_train.json").read_text())["trained"]
                if r["technique"] == "all-bf16-kahan")
     assert lever["change"] == run["sacrebleu_change"] and lever["low"] < run["sacrebleu_change_low"]

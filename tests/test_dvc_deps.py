@@ -35,9 +35,9 @@ def test_a_planner_change_does_not_touch_training_and_the_accountant_marks_the_s
 
 
 def test_a_module_started_by_name_counts_as_run() -> None:
-    # shard_study starts torchrun with "-m lowmem.cli.shard_run": the workers' code is the stage's too.
-    assert "lowmem.cli.shard_run" in stage_deps.started_modules("lowmem.cli.shard_run") | stage_deps.closure({"lowmem.cli.shard_study"})
-    assert "lowmem/cli/shard_run.py" in STAGES["sharding"]["deps"]
+    # shard_study starts torchrun with "-m lowmem.studies.shard_run": the workers' code is the stage's too.
+    assert "lowmem.studies.shard_run" in stage_deps.started_modules("lowmem.studies.shard_run") | stage_deps.closure({"lowmem.studies.sharding"})
+    assert "lowmem/studies/shard_run.py" in STAGES["sharding"]["deps"]
 
 
 def test_the_fairseq_plugin_folder_is_a_dep_where_fairseq_loads_it() -> None:
@@ -90,7 +90,7 @@ def test_every_stage_keeps_an_output_a_fresh_clone_lacks() -> None:
     """So that `make repro` on a fresh clone reruns it: an output in the DVC cache (or a metrics file it writes
     only from a run result in data/results)."""
     for name, stage in STAGES.items():
-        if name in ("params", "runs") or stage.get("frozen"):
+        if name in ("params", "runs", "lever_effects") or stage.get("frozen"):
             continue  # cheap checks and indexes rerun whenever what they read changes; frozen stages never run
         cached = [o for o in stage.get("outs", []) if isinstance(o, str)]
         assert cached, f"stage {name} has no DVC-cached output; a fresh clone would skip it"

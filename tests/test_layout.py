@@ -1,5 +1,6 @@
-"""The package's layout is its architecture: dependencies point one way, pipeline → studies → tracks (wrn,
-dynamicconv) → techniques → memory, and the two tracks never import each other. ``config`` (the stage-parameter
+"""The package's layout is its architecture: dependencies point one way, pipeline → studies → cli (the product a
+user runs: ``lowmem profile``, ``plan``, model specs) → tracks (wrn, dynamicconv) → techniques → memory, and the two
+tracks never import each other. No module is over ``MAX_LINES``: a longer one holds more than one role. ``config`` (the stage-parameter
 resolver) and ``runs`` (the run store) serve every layer and import no other lowmem module."""
 
 import ast
@@ -10,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "lowmem"
-LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "studies": 3, "cli": 4, "pipeline": 5, "fairseq_user_dir": 5}
+LAYER = {"memory": 0, "techniques": 1, "wrn": 2, "dynamicconv": 2, "cli": 3, "studies": 4, "pipeline": 5, "fairseq_user_dir": 5}
 COMMON = ("config", "runs", "cpu")
+MAX_LINES = 400
 
 
 def _part(module: str) -> str:
@@ -94,6 +96,11 @@ def test_the_circle_rule_would_catch_a_lazy_circle(tmp_path: Path) -> None:
     b.write_text("def f():\n    from lowmem.cli import profile\n")
     circle = _circle({"lowmem.cli.profile": _imports(a), "lowmem.cli.plan": _imports(b)})
     assert circle is not None and set(circle) == {"lowmem.cli.plan", "lowmem.cli.profile"}
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {m: n for m, f in MODULES.items() if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"split by role (search, training, tables, captions): {long}"
 
 
 def test_the_fairseq_user_dir_is_alone_in_its_parent() -> None:

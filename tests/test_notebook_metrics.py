@@ -148,7 +148,8 @@ def test_10_proxy_noise_narrows_with_seeds_and_needs_more_seeds_for_a_tighter_ta
 
 
 def test_12_planner_reports_the_accountants_peak_and_only_configurations_that_fit(notebook_metrics: Callable[[str, str], dict]) -> None:
-    from lowmem.cli import crosscheck, params, plan, profile  # params: defines stage planner for config.load
+    from lowmem.cli import plan, profile
+    from lowmem.studies import crosscheck, planner_params as params  # params: defines stage planner for config.load
 
     m = notebook_metrics("12_planner", "planner")
     p = config.load("planner")

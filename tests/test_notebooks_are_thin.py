@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from lowmem import config
-from lowmem.cli import params as _cli_params  # noqa: F401
+from lowmem.studies import planner_params as _planner_params  # noqa: F401
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401  (registers the stages)
 from lowmem.studies import params as _study_params  # noqa: F401
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from lowmem.cli import main, plan, profile, shard_run
+from lowmem.cli import main, plan, profile
+from lowmem.studies import shard_run
 from lowmem.cli.models import SpecError
 from lowmem.cli.profile import Request
 from lowmem.memory.accounting import account_step, resizable
@@ -221,7 +222,7 @@ def test_traffic_is_the_ring_collectives_volume():
 
 @pytest.mark.parametrize("mode", sharding.FSDP_MODES)
 def test_the_per_device_account_equals_fsdpmemtrackers(mode):
-    from lowmem.cli import crosscheck
+    from lowmem.studies import crosscheck
 
     # Equal to the byte for WRN-28-2 at batch 128 (stage sharding's table); at this size the account is 128 KiB / N
     # above FSDPMemTracker's, a difference not yet traced (README, "Past one device"), within 2%.

@@ -20,18 +20,15 @@ that exact option was trained, else unmeasured.
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm import tqdm
 
 from lowmem.cli import plan_output
 from lowmem.cli.models import SpecError
-from lowmem.cli.plan_rules import combine, first_fitting
+from lowmem.cli.plan_rules import combine, first_fitting, read_effects
 from lowmem.cli.profile import FAIRSEQ_OPTIMIZERS, Request
 from lowmem.cli.scalars import HostScalars
 
@@ -75,60 +72,9 @@ def options(req: Request) -> dict[str, Any]:
 
 
 def measured(root: Path) -> dict[str, dict[str, Any]]:
-    """Options -> the DynamicConv study's sacreBLEU change and interval, for the options it trained."""
-    path = root / "figures" / "08_translation_techniques.csv"
-    if not path.exists():
-        return {}
-    df = pd.read_csv(path)
-    md = root / "figures" / "08_translation_techniques.md"  # its caption names the profile
-    caption = md.read_text().split("`") if md.exists() else []
-    profile = caption[1] if len(caption) > 1 else "unknown"
-    runs = root / "metrics" / "translation_techniques_train.json"
-    updates = json.loads(runs.read_text())["max_update"] if runs.exists() else None
-    # An --update-freq run is named by k alone: its --max-tokens is the study's T/k, as a plan's is the user's.
-    return {" ".join(r.options.split()[:2]) if r.options.startswith("--update-freq") else r.options:
-            seed_widened(root, r.sacrebleu_change, r.sacrebleu_change_low, r.sacrebleu_change_high, profile, updates)
-            for r in df.itertuples() if r.trained is True or str(r.trained) == "True"} | levers_measured(root)
-
-
-def seed_widened(root: Path, change: float, low: float, high: float, profile: str, updates: int | None) -> dict[str, Any]:
-    """One seed's sacreBLEU change with its bootstrap interval widened by the seed noise measured at the same profile
-    and length, as the headline's (``frontier.widen_by_seed_noise``); the bootstrap's alone, said so, where none was."""
-    from lowmem.studies import frontier, quality  # pandas and scipy only; kept off the planner's import path
-    where = f"DynamicConv sacreBLEU, profile {profile}, 1 seed"
-    if math.isnan(low) or math.isnan(high):
-        return {"change": change, "low": low, "high": high, "where": where + ", no interval"}
-    noise = frontier.dc_seed_noise(root / "metrics", profile, updates) if updates is not None else None
-    if noise is None:
-        return {"change": change, "low": low, "high": high,
-                "where": where + f", bootstrap interval only (no seed noise measured at profile {profile}, {updates} updates)"}
-    run = quality.Paired(change, low, high, 1, float("nan"))
-    c = quality.with_seed_noise(run, noise["sd"], noise["seeds"])
-    if c is run:  # the baseline's own run, which with_seed_noise leaves as it is
-        return {"change": change, "low": low, "high": high, "where": where + ", bootstrap interval"}
-    return {"change": change, "low": c.low, "high": c.high,
-            "where": f"{where}, bootstrap interval widened by the baseline's seed sd over {noise['seeds']} seeds"}
-
-
-# The levers beyond the paper that the plan offers, by the flags ``risk`` keys them with: (stage, technique) whose
-# trained arm measured them. Kahan is keyed with the precision it compensates: its effect is all-bf16's with it.
-LEVERS = {"--optimizer lowmem_adamw8bit": ("translation_levers_train", "adamw-8bit"),
-          "--precision half-bf16 --optimizer lowmem_adamw_kahan": ("translation_kahan_train", "all-bf16-kahan")}
-
-
-def levers_measured(root: Path) -> dict[str, dict[str, Any]]:
-    """The levers beyond the paper trained on DynamicConv (``LEVERS``), each against the baseline trained beside it
-    on one machine."""
-    out = {}
-    for key, (stage, technique) in LEVERS.items():
-        path = root / "metrics" / f"{stage}.json"
-        if not path.exists():
-            continue
-        res = json.loads(path.read_text())
-        out |= {key: seed_widened(root, r["sacrebleu_change"], r["sacrebleu_change_low"], r["sacrebleu_change_high"],
-                                  res["profile"], res["max_update"])
-                for r in res["trained"] if r["technique"] == technique}
-    return out
+    """Options -> the DynamicConv study's sacreBLEU change and interval, for the options it trained
+    (``lowmem.studies.lever_effects``)."""
+    return {e["options"]: {k: v for k, v in e.items() if k != "options"} for e in read_effects(root)["fairseq"]}
 
 
 def risk(flags: dict[str, list[str]], effects: dict[str, dict[str, Any]]) -> tuple[float, float, str]:

@@ -11,12 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
-from lowmem.techniques import precision
 from lowmem.techniques.step import Techniques
 
-ROOT = Path(__file__).parents[2]  # the checkout, whose figures/ hold the measured effects
+ROOT = Path(__file__).parents[2]  # the checkout, whose metrics/ hold the measured effects
+EFFECTS = "metrics/lever_effects.json"  # written by stage lever_effects
 
 
 def combine(lossy: list[tuple[str, dict[str, Any] | None]]) -> tuple[float, float, str]:
@@ -46,50 +44,15 @@ def first_fitting(n: int, fits: Callable[[int], bool]) -> int | None:
 
 
 def measured_effects(root: Path = ROOT) -> dict[tuple[str, Any], dict[str, Any]]:
-    """(lever, setting) -> {change, low, high, n, where} from the committed results: WRN's lossy levers alone
-    (figures/09_wrn_levers.csv, stage combinations), the compressed activations and Kahan's bf16
-    (metrics/levers_train.json), and 8-bit momentum (metrics/levers_state_train.json)."""
-    # seaborn and scipy come with these: kept off the CLI's import path, which needs them only here
-    from lowmem.studies.frontier import beyond_rows
-    from lowmem.studies.quality_model import arm_change
-
-    effects: dict[tuple[str, Any], dict[str, Any]] = {}
-    levers = root / "figures" / "09_wrn_levers.csv"
-    combos = root / "metrics" / "combinations.json"
-    where = "WRN accuracy points"
-    if combos.exists():
-        where += f", profile {json.loads(combos.read_text())['profile'].get('wrn', '?')}"
-    if levers.exists():
-        for r in pd.read_csv(levers).itertuples():
-            key = _lever(r.name)
-            if key:
-                effects[key] = {"change": r.quality_change, "low": r.quality_low, "high": r.quality_high,
-                                "n": int(r.quality_n), "where": where}
-    for r in beyond_rows(root / "metrics").itertuples():
-        tech = json.loads(r.config)
-        if set(tech) == {"activation_bits"}:  # the lever alone, against the baseline trained beside it
-            effects[("activation_bits", tech["activation_bits"])] = {
-                "change": r.quality_change, "low": r.quality_low, "high": r.quality_high, "n": int(r.quality_n),
-                "where": f"WRN accuracy points, profile {r.profile}"}
-    # The optimizer swaps, each against the same update with fp32 state (what the swap changes), paired by seed.
-    for stage, arm, against, key in (("levers_train", "half-bf16+optimi-sgd", "optimi-sgd", ("precision", "half-bf16+kahan")),
-                                     ("levers_state_train", "bnb-sgd8bit", "optimi-sgd", ("optimizer", "bnb-sgd8bit"))):
-        path = root / "metrics" / f"{stage}.json"
-        if path.exists():
-            res = json.loads(path.read_text())
-            if {arm, against} <= set(res["arms"]):
-                c = arm_change(res, arm, against)
-                effects[key] = {"change": c.mean, "low": c.low, "high": c.high, "n": c.n,
-                                "where": f"WRN accuracy points against {against} in fp32, profile {res['profile']}"}
-    return effects
+    """(lever, setting) -> {change, low, high, n, where}: what the studies measured of WRN's lossy levers, from the
+    one file they write for the planner (``lowmem.studies.lever_effects``); none where it is missing."""
+    return {(e["lever"], e["setting"]): {k: v for k, v in e.items() if k not in ("lever", "setting")}
+            for e in read_effects(root)["wrn"]}
 
 
-def _lever(name: str) -> tuple[str, Any] | None:
-    if name.startswith("microbatch-"):
-        return ("microbatch", int(name.split("-")[1]))
-    if name in precision.MODES:
-        return ("precision", name)
-    return None
+def read_effects(root: Path) -> dict[str, list[dict[str, Any]]]:
+    path = root / EFFECTS
+    return json.loads(path.read_text()) if path.exists() else {"wrn": [], "fairseq": []}
 
 
 def risk(tech: Techniques, has_batchnorm: bool, effects: dict[tuple[str, Any], dict[str, Any]],

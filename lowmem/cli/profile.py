@@ -298,7 +298,7 @@ def measure(req: Request, tech: Techniques = Techniques()) -> tuple[MemoryReport
     account with each op's CPU workspace added, where the step is not fairseq's)."""
     if req.sharding.active:
         raise SpecError("--measure runs one process; a sharded step is measured by torchrun processes "
-                        "(python -m lowmem.cli.shard_run, docs/sharding.md)")
+                        "(python -m lowmem.studies.shard_run, docs/sharding.md)")
     report, with_workspace = account(req, tech), None
     if req.spec.kind == "fairseq":
         from lowmem.dynamicconv import memory as fairseq_memory

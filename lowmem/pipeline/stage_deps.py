@@ -6,7 +6,7 @@ What a stage runs is found from its command, in every way code gets in:
 - ``papermill notebooks/N.ipynb``: the ``lowmem`` imports of the notebook's code cells;
 - fairseq's ``--user-dir``: the plugin package, when ``lowmem.dynamicconv.plugin`` is imported (its folder and the
   plugin's module are both deps);
-- a worker started as ``-m lowmem.X`` by a module (torchrun's workers, ``lowmem.cli.shard_run``): a string
+- a worker started as ``-m lowmem.X`` by a module (torchrun's workers, ``lowmem.studies.shard_run``): a string
   constant that names a ``lowmem`` module counts as an import;
 - data files that a module reads next to its code (``paper_reference.yaml``).
 Then every ``lowmem`` module those import, at any depth and lazily too (``lowmem.runs.imports_of``), and each

@@ -21,7 +21,7 @@ from lowmem import config, runs
 from lowmem.config import ParamError
 
 # Imported for their @stage registrations: every stage's dataclass.
-from lowmem.cli import params as _cli_params  # noqa: F401
+from lowmem.studies import planner_params as _planner_params  # noqa: F401
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401
 from lowmem.studies import combinations
 from lowmem.studies import params as _study_params  # noqa: F401

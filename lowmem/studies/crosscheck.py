@@ -95,7 +95,7 @@ def table(families: list[str] | None = None) -> Any:
 
 CAPTION = ("The accountant against PyTorch's MemTracker (torch.distributed._tools.mem_tracker), one training step "
            "after a warm-up step, both on fake CPU tensors, AdamW; MiB. Peaks are totals; the categories are at each "
-           "tool's own peak, MemTracker's under the accountant's names (lowmem.cli.crosscheck.TOTALS): MemTracker "
+           "tool's own peak, MemTracker's under the accountant's names (lowmem.studies.crosscheck.TOTALS): MemTracker "
            "counts every live forward tensor as an activation and the optimizer step's temporaries as optimizer "
            "state, the accountant only tensors saved for backward, and the rest as other.")
 

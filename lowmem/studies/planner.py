@@ -1,5 +1,5 @@
 """Notebook 12's study: ``lowmem plan`` on models no one here wrote, at realistic sizes and several budgets, with each
-model's breakdown and the two cross-checks against PyTorch's own tools (``lowmem.cli.crosscheck``).
+model's breakdown and the two cross-checks against PyTorch's own tools (``lowmem.studies.crosscheck``).
 
 ``run`` computes everything (accounting only: nothing is trained, so the numbers are the same on any machine);
 ``tables``, ``figure`` and ``metrics`` present it.
@@ -19,9 +19,9 @@ import pandas as pd
 from matplotlib.figure import Figure
 from tqdm.auto import tqdm
 
-from lowmem.cli import crosscheck
+from lowmem.studies import crosscheck
 from lowmem.cli.models import SpecError
-from lowmem.cli.params import PlannerParams, levers
+from lowmem.studies.planner_params import PlannerParams, levers
 from lowmem.cli.plan import budget_bytes, make_plan
 from lowmem.cli.profile import account, request
 from lowmem.memory.accounting import CATEGORIES

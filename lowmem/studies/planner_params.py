@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lowmem.cli import crosscheck, models
+from lowmem.cli import models
+from lowmem.studies import crosscheck
 from lowmem.cli.models import SpecError
 from lowmem.cli.plan import OPTIMIZER_STATE, Levers, budget_bytes
 from lowmem.cli.profile import STEPS, request
@@ -39,7 +40,7 @@ class PlannerParams:
     memtracker_families: list[str] = field(default_factory=lambda: ["1-d convolutions"])
     sac_models: list[dict] = field(default_factory=lambda: [
         {"name": "WRN-10-1", "model": "wrn:wrn-10-1", "batch": 8, "input": "3x32x32", "optimizer": "sgd-momentum"}])
-    workers: int = 1  # processes that share the accounting (lowmem.cli.study.run); no number depends on it
+    workers: int = 1  # processes that share the accounting (lowmem.studies.planner.run); no number depends on it
 
     def __post_init__(self) -> None:
         check_choice("profile", self.profile, PROFILES)
@@ -87,7 +88,7 @@ class ShardingParams:
     """Stage ``sharding`` (notebook 13): per-device memory of ``wrn`` (under each of ``wrn_levers``) and of the
     DynamicConv recipe (full size, ``max_tokens`` per update in all) over ``devices``, in each of ``modes``
     (``lowmem.techniques.sharding``), accounted with a fake process group; and one real run of ``wrn`` at
-    ``run_batch`` on ``run_devices`` gloo processes (``lowmem.cli.shard_run``), measured against the account."""
+    ``run_batch`` on ``run_devices`` gloo processes (``lowmem.studies.shard_run``), measured against the account."""
 
     profile: str = "smoke"
     seed: int = 0

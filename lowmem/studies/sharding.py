@@ -4,7 +4,7 @@
   with PyTorch's fake process group (nothing trained; the same on any machine). WRN also under the paper's levers.
   The global batch stays fixed: each device steps on its share. Each row carries the bytes a device sends per step
   and, from them, a time estimate at each named interconnect's nominal bandwidth (an estimate, labelled so).
-- ``measured``: WRN trained for real on two gloo processes of this machine (``lowmem.cli.shard_run``), each rank's
+- ``measured``: WRN trained for real on two gloo processes of this machine (``lowmem.studies.shard_run``), each rank's
   measured peak against the account with the CPU's workspaces, the step time on localhost, and the largest
   parameter difference from one process stepping on the whole batch.
 """
@@ -22,10 +22,10 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from tqdm.auto import tqdm
 
-from lowmem.cli import crosscheck, shard_run
-from lowmem.cli.params import ShardingParams
+from lowmem.studies import crosscheck, shard_run
+from lowmem.studies.planner_params import ShardingParams
 from lowmem.cli.profile import Request, account, request
-from lowmem.cli.study import _num
+from lowmem.studies.planner import _num
 from lowmem.dynamicconv import memory as fairseq_memory
 from lowmem.memory.accounting import CATEGORIES, MIB
 from lowmem.memory.measure import CPUWorkspace, GlooWorkspace, workspaces

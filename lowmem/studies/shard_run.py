@@ -1,6 +1,6 @@
 """Sharded training run for real: one worker per device, started by ``torchrun``, on the gloo backend (the CPU's).
 
-    torchrun --nproc-per-node 2 -m lowmem.cli.shard_run --model wrn:wrn-28-2 --batch 16 --input 3x32x32 --out DIR
+    torchrun --nproc-per-node 2 -m lowmem.studies.shard_run --model wrn:wrn-28-2 --batch 16 --input 3x32x32 --out DIR
 
 Each rank, for each sharding mode (``lowmem.techniques.sharding.MODES``): builds the model from the same seed,
 wraps it (DDP, DDP + ZeroRedundancyOptimizer, FSDP2), takes its share of one global batch and trains ``--steps``
@@ -11,7 +11,7 @@ steps. It writes ``DIR/rank<R>.json`` with, per mode:
   buckets, optimizer state, batch. Every step after the first is measured; this is the lowest of them (the steady
   state), ``measured_peak_max_bytes`` the highest (a late release can add to one step). ``measured_collective_bytes``:
   the part of the peak allocated inside a collective (``c10d::*``, by the profiler's event tree) or flattened for one
-  (DDP's broadcast of the weights at construction): gloo's copies, which live until gloo is done with them. ``lowmem.cli.shard_study`` sets these beside the account;
+  (DDP's broadcast of the weights at construction): gloo's copies, which live until gloo is done with them. ``lowmem.studies.sharding`` sets these beside the account;
 - ``step_seconds``: the median wall time of the steps after the first, between barriers (on this machine's
   localhost: all ranks share its cores, so this is communication and wrapping overhead there, not an interconnect's);
 - ``max_abs_diff``: the largest difference of any parameter from one process stepping on the
@@ -176,7 +176,7 @@ def _train(req: Request, shard: sharding.Sharding, steps: int
 def one_process_peak(req: Request, steps: int = 4) -> int:
     """The measured peak of rank 0's step in one process, beside PyTorch's fake process group: real tensors, real
     wrappers, collectives that move nothing. It separates the account of the wrappers' step from what real
-    collectives add (``lowmem.cli.shard_study`` sets both beside the account)."""
+    collectives add (``lowmem.studies.sharding`` sets both beside the account)."""
     with sharding.fake_group(req.devices):
         return min(_train(req, req.sharding, steps)[0])[0]
 
@@ -248,7 +248,7 @@ def launch(req: Request, modes: list[str], out: Path, steps: int = 4, compare: b
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(req.devices),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "lowmem.cli.shard_run", "--model", req.model, "--batch", str(req.batch),
+           "-m", "lowmem.studies.shard_run", "--model", req.model, "--batch", str(req.batch),
            "--input", "x".join(map(str, req.input)), "--optimizer", req.optimizer, "--modes", ",".join(modes),
            "--steps", str(steps), "--out", str(out), "--fail-rank", str(fail_rank), *(["--compare"] if compare else [])]
     # One thread per rank: the ranks share this machine's cores (torchrun sets it too, with a warning).
