@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.memory.accounting import CATEGORIES, StorageRecord, account_step, profile_step, standard_step
+from lowmem.memory.accounting import CATEGORIES, account_step, profile_step, standard_step
+from lowmem.memory.ledger import StorageRecord
 from lowmem.memory.measure import measure_step
 from lowmem.studies.memory_profile import account, measure
 from lowmem.studies.params import MemoryProfileParams

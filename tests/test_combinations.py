@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from lowmem.config import ParamError
-from lowmem.studies import combinations, frontier, quality, quality_model
+from lowmem.studies import (combination_grid, combination_memory, combination_search, combinations, frontier,
+                            frontier_tables, quality, quality_model)
 
 ROOT = Path(__file__).parents[1]
 
@@ -58,13 +59,13 @@ def test_comparison_reads_the_paper_from_the_reference_file(tmp_path: Path) -> N
     for task, r in ref["tasks"].items():
         pts = POINTS.assign(config=POINTS.name, quality_change=POINTS.quality_change * abs(r["quality_change"]) / 0.5)
         tables[task] = frontier.best_within(pts, [-r["quality_change"]]).rename(columns={"name": "x"})
-    comp = frontier.comparison(tables, ref, {t: "test" for t in ref["tasks"]})
+    comp = frontier_tables.comparison(tables, ref, {t: "test" for t in ref["tasks"]})
     for row in comp.itertuples():
         paper = ref["tasks"][row.task]
         assert row.paper_reduction == paper["memory_reduction"] and row.paper_change == paper["quality_change"]
         assert row.our_config == "D" and row.ours_over_paper == pytest.approx(4.0 / paper["memory_reduction"])
     with pytest.raises(ValueError, match="no row for the paper's budget"):
-        frontier.comparison({t: frontier.best_within(POINTS.assign(config=POINTS.name), [9.0]) for t in ref["tasks"]}, ref, {})
+        frontier_tables.comparison({t: frontier.best_within(POINTS.assign(config=POINTS.name), [9.0]) for t in ref["tasks"]}, ref, {})
 
 
 def test_beyond_rows_pair_each_arm_with_a_lever_beyond_the_paper_against_its_baseline(tmp_path: Path) -> None:
@@ -107,15 +108,15 @@ def test_beyond_rows_take_the_second_study_with_its_own_baseline_and_machine(tmp
 
 def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_out_of_the_levels(tmp_path: Path) -> None:
     d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4], checkpoint=["none", "layers"])
-    configs = combinations.grid(d)
-    names = [combinations.name(d, c) for c in configs]
+    configs = combination_grid.grid(d)
+    names = [combination_grid.name(d, c) for c in configs]
     assert names == ["baseline", "checkpoint", "microbatch-4", "microbatch-4+checkpoint", "adamw-8bit",
                      "adamw-8bit+checkpoint", "adamw-8bit+microbatch-4", "adamw-8bit+microbatch-4+checkpoint"]
     sweep = pd.DataFrame({"name": names, "precision": [c.get("precision", "fp32") for c in configs],
                           "sparsity": 0.0, "microbatch": [c.get("microbatch", 1) for c in configs],
                           "checkpoint": [c.get("checkpoint", "none") for c in configs],
                           "config": [json.dumps(c) for c in configs], "techniques": [len(c) for c in configs],
-                          "mildness": [combinations.mildness(d, c) for c in configs], "activation_bits": 0,
+                          "mildness": [combination_grid.mildness(d, c) for c in configs], "activation_bits": 0,
                           "total_mib": [100, 60, 50, 30, 25, 55, 40, 20]})
     sweep["reduction"] = 100 / sweep.total_mib
     # The levels pick the paper's levers only, however far a lever beyond the paper reaches: adamw-8bit alone (4x,
@@ -123,7 +124,7 @@ def test_dynamicconv_beyond_rows_carry_their_runs_bleu_to_exact_twins_and_stay_o
     d.levels, d.slots, d.trained_elsewhere = [3.0], 2, []
     packed = pd.DataFrame([{**sweep.iloc[0].to_dict(), "name": "activations-8", "config": json.dumps({"activation_bits": 8}),
                             "techniques": 1, "mildness": 1, "activation_bits": 8, "total_mib": 20, "reduction": 5.0}])
-    assert [c["name"] for c in combinations.select(d, pd.concat([sweep, packed], ignore_index=True))] == ["baseline", "microbatch-4+checkpoint"]
+    assert [c["name"] for c in combination_search.select(d, pd.concat([sweep, packed], ignore_index=True))] == ["baseline", "microbatch-4+checkpoint"]
     sweep.to_csv(tmp_path / "dynamicconv_sweep.csv", index=False)
     trained = {"profile": "cpu", "machine": "CPU A", "time_ratio": {"baseline": 1.0, "adamw-8bit+microbatch-4": 1.3},
                "trained": [{"technique": "baseline", "sacrebleu_change": 0.0, "sacrebleu_change_low": 0.0, "sacrebleu_change_high": 0.0},
@@ -182,8 +183,8 @@ def test_a_levers_stage_arm_of_the_papers_levers_gives_its_row_in_the_papers_gri
     the arms beyond the paper stay accounted points without quality (theirs is ``beyond_rows_dynamicconv``'s)."""
     d = small("dynamicconv", precision=["fp32", "adamw-8bit"], sparsity=[0], microbatch=[1, 4, 16], checkpoint=["none", "layers"],
               activation_bits=[0, 8])
-    configs = combinations.grid(d)
-    names = [combinations.name(d, c) for c in configs]
+    configs = combination_grid.grid(d)
+    names = [combination_grid.name(d, c) for c in configs]
     sweep = pd.DataFrame({"name": names, "precision": [c.get("precision", "fp32") for c in configs], "sparsity": 0.0,
                           "microbatch": [c.get("microbatch", 1) for c in configs],
                           "checkpoint": [c.get("checkpoint", "none") for c in configs],
@@ -237,7 +238,7 @@ def test_every_committed_dynamicconv_arm_with_a_plugin_lever_beyond_the_paper_is
     drop out of the rows "the paper's and beyond" without an error; each levers stage's arms with one of the
     plugin's options beyond the paper are all there."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    techniques = combinations.resolve_task("dynamicconv", {**params, "base": {**params["base"], "profile": "cpu"}}).translation["techniques"]
+    techniques = combination_grid.resolve_task("dynamicconv", {**params, "base": {**params["base"], "profile": "cpu"}}).translation["techniques"]
     rows = frontier.beyond_rows_dynamicconv(ROOT / "data" / "combinations", ROOT / "metrics")
     for stage in frontier.LEVERS_STAGES_DYNAMICCONV:
         trained = json.loads((ROOT / "metrics" / f"{stage}.json").read_text())["trained"]
@@ -277,8 +278,8 @@ def test_comparison_says_so_for_a_task_with_no_lever_beyond_the_paper() -> None:
     ref = frontier.paper_reference()
     task = next(iter(ref["tasks"]))
     pts = POINTS.assign(config=POINTS.name)
-    comp = frontier.comparison({task: frontier.best_within(pts, [-ref["tasks"][task]["quality_change"]])}, ref,
-                               {t: "test" for t in ref["tasks"]}, frontier.LEVERS_BEYOND).set_index("task")
+    comp = frontier_tables.comparison({task: frontier.best_within(pts, [-ref["tasks"][task]["quality_change"]])}, ref,
+                                      {t: "test" for t in ref["tasks"]}, frontier.LEVERS_BEYOND).set_index("task")
     assert (comp.levers == frontier.LEVERS_BEYOND).all()
     others = [t for t in ref["tasks"] if t != task]
     assert all(comp.loc[t, "our_config"].startswith("none trained") and pd.isna(comp.loc[t, "our_reduction"]) for t in others)
@@ -286,23 +287,23 @@ def test_comparison_says_so_for_a_task_with_no_lever_beyond_the_paper() -> None:
 
 def test_readme_block_is_replaced_between_its_markers(tmp_path: Path) -> None:
     readme = tmp_path / "README.md"
-    readme.write_text(f"# t\n\n{frontier.README_BEGIN}\nold\n{frontier.README_END}\n\nrest\n")
-    frontier.write_readme_block(readme, "| a |\n|---|\n| 1 |\n")
-    assert frontier.readme_block(readme) == "| a |\n|---|\n| 1 |"
+    readme.write_text(f"# t\n\n{frontier_tables.README_BEGIN}\nold\n{frontier_tables.README_END}\n\nrest\n")
+    frontier_tables.write_readme_block(readme, "| a |\n|---|\n| 1 |\n")
+    assert frontier_tables.readme_block(readme) == "| a |\n|---|\n| 1 |"
     assert readme.read_text().endswith("\n\nrest\n")
     (tmp_path / "bare.md").write_text("# t\n")
     with pytest.raises(ValueError, match="no headline block"):
-        frontier.write_readme_block(tmp_path / "bare.md", "x")
+        frontier_tables.write_readme_block(tmp_path / "bare.md", "x")
 
 
 def test_readme_shows_the_headline_table_the_report_wrote() -> None:
-    assert frontier.readme_block(ROOT / "README.md") == (ROOT / "figures/00_headline.md").read_text().strip()
+    assert frontier_tables.readme_block(ROOT / "README.md") == (ROOT / "figures/00_headline.md").read_text().strip()
 
 
-def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combinations.CombinationsParams:
+def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combination_grid.CombinationsParams:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["base"]["profile"] = profile
-    p = combinations.resolve_task(task, params)
+    p = combination_grid.resolve_task(task, params)
     if "activation_bits" not in kw:  # the paper's four dimensions, unless a test adds the fifth
         kw = {"activation_bits": [0], **({"search_paper": False} if task == "wrn" else {}), **kw}
     for k, v in kw.items():
@@ -312,41 +313,41 @@ def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combinatio
 
 def test_the_grid_is_every_combination_with_the_baseline_first() -> None:
     p = small(sparsity=[0, 0.5, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2], checkpoint=["none", "sqrt"])
-    g = combinations.grid(p)
+    g = combination_grid.grid(p)
     assert len(g) == 3 * 2 * 3 * 2 and g[0] == {}
-    names = [combinations.name(p, c) for c in g]
+    names = [combination_grid.name(p, c) for c in g]
     assert len(set(names)) == len(names)
     assert "sparsity-0.5+half-bf16+microbatch-2+checkpoint-sqrt" in names
     # WRN's fifth dimension, a lever beyond the paper: every combination again with each bit width
-    wide = combinations.grid(small(sparsity=[0, 0.5, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2],
+    wide = combination_grid.grid(small(sparsity=[0, 0.5, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2],
                                    checkpoint=["none", "sqrt"], activation_bits=[0, 8, 2]))
     assert len(wide) == 3 * len(g) and [c for c in wide if "activation_bits" not in c] == g
-    assert combinations.name(p, {"microbatch": 8, "checkpoint": "block", "activation_bits": 2}) == \
+    assert combination_grid.name(p, {"microbatch": 8, "checkpoint": "block", "activation_bits": 2}) == \
         "microbatch-8+checkpoint-block+activations-2"  # named as stage levers_train's arm
     d = small("dynamicconv")
-    assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
+    assert combination_grid.translation_options(d, {"sparsity": 0.9, "precision": "fp16", "microbatch": 4, "checkpoint": "layers"}) == [
         "--sparsity", "0.9", "--sparse-method", "static", "--fp16", "--microbatches", "4", "--checkpoint-activations"]
     # DynamicConv's fifth dimension is the plugin's option, named as stage translation_activations_train's arm
-    assert combinations.translation_options(d, {"checkpoint": "layers", "activation_bits": 8}) == [
+    assert combination_grid.translation_options(d, {"checkpoint": "layers", "activation_bits": 8}) == [
         "--checkpoint-activations", "--activation-bits", "8"]
-    assert combinations.name(d, {"microbatch": 4, "activation_bits": 8}) == "microbatch-4+activations-8"
+    assert combination_grid.name(d, {"microbatch": 4, "activation_bits": 8}) == "microbatch-4+activations-8"
 
 
 def test_dynamicconv_bf16_settings_take_stage_08s_options_and_mixed_bf16_with_sparsity_is_left_out() -> None:
     d = small("dynamicconv", "cpu", sparsity=[0, 0.9], precision=["fp32", "mixed-bf16", "all-bf16", "fp16"], microbatch=[1, 4],
               checkpoint=["none", "layers"])
     techniques = d.translation["techniques"]
-    assert combinations.translation_options(d, {"precision": "mixed-bf16", "microbatch": 4}) == [
+    assert combination_grid.translation_options(d, {"precision": "mixed-bf16", "microbatch": 4}) == [
         *techniques["mixed-bf16"], "--microbatches", "4"]
-    assert combinations.translation_options(d, {"sparsity": 0.9, "precision": "all-bf16"}) == ["--sparsity", "0.9", *techniques["all-bf16"]]
-    g = combinations.grid(d)
+    assert combination_grid.translation_options(d, {"sparsity": 0.9, "precision": "all-bf16"}) == ["--sparsity", "0.9", *techniques["all-bf16"]]
+    g = combination_grid.grid(d)
     # 2 x 4 x 2 x 2 settings, less the 4 that pair mixed-bf16 with sparsity (the accountant refuses them)
     assert len(g) == 32 - 4 and not [c for c in g if c.get("precision") == "mixed-bf16" and "sparsity" in c]
     assert {"precision": "mixed-bf16", "microbatch": 4, "checkpoint": "layers"} in g
     d.translation = {**d.translation, "device": "cpu"}
-    assert [m for m in d.precision if combinations.trainable(d, m)] == ["fp32", "mixed-bf16", "all-bf16"]
+    assert [m for m in d.precision if combination_grid.trainable(d, m)] == ["fp32", "mixed-bf16", "all-bf16"]
     with pytest.raises(ParamError, match="half-fp32"):
-        combinations.translation_options(d, {"precision": "half-fp32"})
+        combination_grid.translation_options(d, {"precision": "half-fp32"})
 
 
 def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_level() -> None:
@@ -354,20 +355,20 @@ def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_
               singles=[{"precision": "half-bf16"}], levels=[2, 10], slots=4, search=False)
     rows = []
     # grid order: baseline, microbatch-8, half-bf16, half-bf16+microbatch-8, sparsity-0.9, sparsity-0.9+microbatch-8, ...
-    for cfg, red in zip(combinations.grid(p), [1.0, 12.0, 1.9, 25.0, 2.0, 15.0, 2.1, 30.0]):
-        rows.append({"name": combinations.name(p, cfg), "config": json.dumps(cfg), "techniques": len(cfg),
-                     "mildness": combinations.mildness(p, cfg), "reduction": red, "precision": cfg.get("precision", "fp32")})
-    chosen = combinations.select(p, pd.DataFrame(rows))
+    for cfg, red in zip(combination_grid.grid(p), [1.0, 12.0, 1.9, 25.0, 2.0, 15.0, 2.1, 30.0]):
+        rows.append({"name": combination_grid.name(p, cfg), "config": json.dumps(cfg), "techniques": len(cfg),
+                     "mildness": combination_grid.mildness(p, cfg), "reduction": red, "precision": cfg.get("precision", "fp32")})
+    chosen = combination_search.select(p, pd.DataFrame(rows))
     # level 2: one technique is enough, and of the two equally mild singles that reach it microbatch-8 saves more;
     # level 10: two techniques are needed, and of the two equally mild pairs half-bf16+microbatch-8 saves more.
     assert [c["name"] for c in chosen] == ["baseline", "half-bf16", "microbatch-8", "half-bf16+microbatch-8"]
     assert [c["slot"] for c in chosen] == [0, 1, 2, 3] and chosen[3]["config"] == {"precision": "half-bf16", "microbatch": 8}
     p.slots = 5
     with pytest.raises(ParamError, match="set slots to 4"):
-        combinations.select(p, pd.DataFrame(rows))
+        combination_search.select(p, pd.DataFrame(rows))
     p.slots, p.levels = 4, [2, 100]
     with pytest.raises(ParamError, match="no combination of the grid reaches 100x"):
-        combinations.select(p, pd.DataFrame(rows))
+        combination_search.select(p, pd.DataFrame(rows))
 
 
 @pytest.mark.parametrize("cfg", [
@@ -377,25 +378,25 @@ def test_select_takes_the_baseline_singles_then_the_mildest_combination_at_each_
 ])
 def test_skipping_repeated_microbatches_accounts_the_same_bytes(cfg: dict) -> None:
     p = small(wrn={"model": "wrn-10-1", "num_classes": 10, "in_channels": 3, "image_size": 32, "batch_size": 16, "device": "cpu"})
-    short = combinations.wrn_memory_row(p, cfg)
-    full = combinations.wrn_memory_row(p, cfg, skip_repeats=False)
+    short = combination_memory.wrn_memory_row(p, cfg)
+    full = combination_memory.wrn_memory_row(p, cfg, skip_repeats=False)
     assert short == full
 
 
 def test_every_profile_chooses_as_many_combinations_as_the_matrix_has_slots() -> None:
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for task in combinations.TASKS:
+    for task in combination_grid.TASKS:
         slots = dvc[f"combination_{task}"]["matrix"]["slot"]
         for profile in ("smoke", "cpu", "paper"):
-            p = combinations.resolve_task(task, {**params, "base": {**params["base"], "profile": profile}})
+            p = combination_grid.resolve_task(task, {**params, "base": {**params["base"], "profile": profile}})
             if p.search:  # the singles' slots, then the search's
                 slots_all = slots + dvc[f"combination_search_{task}"]["matrix"]["slot"]
                 assert slots == list(range(1 + len(p.singles)))
             else:
                 slots_all = slots
             assert slots_all == list(range(p.slots))
-            assert 1 + len(p.singles) + len(p.levels) + combinations.search_slots(p) - len(p.levels) * p.search - len(p.trained_elsewhere) == p.slots
+            assert 1 + len(p.singles) + len(p.levels) + combination_search.search_slots(p) - len(p.levels) * p.search - len(p.trained_elsewhere) == p.slots
         committed = json.loads((ROOT / f"data/combinations/{task}_selected.json").read_text())
         assert [c["slot"] for c in committed["selected"]] == slots
 
@@ -405,7 +406,7 @@ def test_the_matrix_stages_expand_to_one_run_per_slot() -> None:
     out = subprocess.run(["dvc", "stage", "list"], cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
     stages = {line.split()[0] for line in out.splitlines() if line.strip()}
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for task in combinations.TASKS:
+    for task in combination_grid.TASKS:
         runs = {s.replace("combination_search_", "combination_") for s in stages
                 if s.startswith((f"combination_{task}@", f"combination_search_{task}@"))}
         assert runs == {f"combination_{task}@{i}" for i in range(params[f"combinations_{task}"]["slots"])}
@@ -421,19 +422,19 @@ def _slot(name: str, accs: list[float], seeds: list[int] = [0, 1, 2]) -> dict:
 def test_a_paired_change_pairs_by_seed_in_points() -> None:
     base = _slot("baseline", [0.80, 0.82, 0.84])
     other = _slot("x", [0.835, 0.815, 0.79], seeds=[2, 1, 0])  # listed in another order
-    c = combinations.paired_change(other, base)
+    c = quality_model.paired_change(other, base)
     assert c.n == 3 and c.mean == pytest.approx(100 * ((0.79 - 0.80) + (0.815 - 0.82) + (0.835 - 0.84)) / 3)
 
 
-def _search_grid() -> tuple[combinations.CombinationsParams, pd.DataFrame]:
+def _search_grid() -> tuple[combination_grid.CombinationsParams, pd.DataFrame]:
     p = small(sparsity=[0, 0.9], precision=["fp32", "half-bf16"], microbatch=[0, 8, 2], checkpoint=["none", "block"],
               singles=[{"sparsity": 0.9}, {"precision": "half-bf16"}, {"microbatch": 8}], levels=[10, 30], search=True,
               search_max=True, slots=4 + 3)
     rows = []
-    for cfg in combinations.grid(p):
+    for cfg in combination_grid.grid(p):
         red = (1.5 if cfg.get("sparsity") else 1) * (2 if cfg.get("precision") else 1) * \
             {0: 1, 8: 8, 2: 20}[cfg.get("microbatch", 0)] * (1.6 if cfg.get("checkpoint") else 1)
-        rows.append({"name": combinations.name(p, cfg), "config": json.dumps(cfg), "reduction": red,
+        rows.append({"name": combination_grid.name(p, cfg), "config": json.dumps(cfg), "reduction": red,
                      "time_ratio": 1.0 + 0.3 * bool(cfg.get("checkpoint")), **{d: cfg.get(d, getattr(p, d)[0]) for d in quality_model.dims(p.task)}})
     return p, pd.DataFrame(rows)
 
@@ -444,7 +445,7 @@ EFFECTS = {("sparsity", 0.9): quality.Paired(-0.8, -1, -0.6, 3, 0.1), ("precisio
 
 def test_the_prediction_is_the_sum_of_the_lossy_levers_and_unknown_where_a_lever_was_not_trained_alone() -> None:
     p, memory = _search_grid()
-    pred = combinations.predict(memory, EFFECTS).set_axis(memory.name)
+    pred = quality_model.predict(memory, EFFECTS).set_axis(memory.name)
     assert pred["baseline"] == 0 and pred["checkpoint-block"] == 0  # exact: adds nothing
     assert pred["sparsity-0.9+half-bf16+microbatch-8+checkpoint-block"] == pytest.approx(-1.1)
     assert pred["half-bf16+microbatch-8"] == pytest.approx(-0.3)
@@ -454,7 +455,7 @@ def test_the_prediction_is_the_sum_of_the_lossy_levers_and_unknown_where_a_lever
 def test_the_search_picks_the_smallest_predicted_loss_at_each_level_then_the_largest_predictable_reduction() -> None:
     p, memory = _search_grid()
     chosen = ["baseline", "sparsity-0.9", "half-bf16", "microbatch-8"]
-    picks = combinations.search(p, memory, EFFECTS, chosen)
+    picks = combination_search.search(p, memory, EFFECTS, chosen)
     # 10x: microbatch-8 (8x) needs checkpointing (12.8x, no loss) or half-bf16 (16x, -0.1): the exact lever wins.
     # 30x: half-bf16+microbatch-8+checkpoint-block (25.6x) falls short; sparsity costs 0.8, so -0.9 is the least.
     # Maximum: of what is left, half-bf16+microbatch-8+checkpoint-block (25.6x) beats sparsity-0.9+half-bf16+microbatch-8 (24x).
@@ -464,7 +465,7 @@ def test_the_search_picks_the_smallest_predicted_loss_at_each_level_then_the_lar
     assert picks[1]["predicted_change"] == pytest.approx(-1.1) and picks[2]["predicted_change"] == pytest.approx(-0.3)
     p.levels = [10, 100]
     with pytest.raises(ParamError, match="reaches 100x"):
-        combinations.search(p, memory, EFFECTS, chosen)
+        combination_search.search(p, memory, EFFECTS, chosen)
 
 
 def test_with_search_paper_the_search_picks_again_among_the_papers_levers_alone() -> None:
@@ -477,17 +478,17 @@ def test_with_search_paper_the_search_picks_again_among_the_papers_levers_alone(
     for _, r in memory.iterrows():
         for bits in (0, 8):
             cfg = {**json.loads(r.config), **({"activation_bits": bits} if bits else {})}
-            rows.append({**r.to_dict(), "name": combinations.name(p, cfg), "config": json.dumps(cfg), "activation_bits": bits,
+            rows.append({**r.to_dict(), "name": combination_grid.name(p, cfg), "config": json.dumps(cfg), "activation_bits": bits,
                          "reduction": r.reduction * (1.3 if bits else 1)})
     effects = {**EFFECTS, ("activation_bits", 8): quality.Paired(0.05, -0.2, 0.3, 3, 0.1)}
-    picks = combinations.search(p, pd.DataFrame(rows), effects, ["baseline", "sparsity-0.9", "half-bf16", "microbatch-8"])
+    picks = combination_search.search(p, pd.DataFrame(rows), effects, ["baseline", "sparsity-0.9", "half-bf16", "microbatch-8"])
     assert [c["name"] for c in picks] == [
         "microbatch-8+activations-8", "half-bf16+microbatch-8+checkpoint-block+activations-8",
         "sparsity-0.9+half-bf16+microbatch-8+checkpoint-block+activations-8",
         "microbatch-8+checkpoint-block", "sparsity-0.9+half-bf16+microbatch-8+checkpoint-block", "half-bf16+microbatch-8+checkpoint-block"]
     assert [c["role"] for c in picks[3:]] == ["search 10x (the paper's levers)", "search 30x (the paper's levers)",
                                               "search maximum (the paper's levers)"]
-    assert combinations.search_slots(p) == 6
+    assert combination_search.search_slots(p) == 6
     with pytest.raises(ParamError, match="search_paper"):
         small(search=True, search_paper=True, activation_bits=[0], singles=[{"sparsity": 0.9}]).__post_init__()
 
@@ -506,7 +507,7 @@ def test_both_rules_decide_from_the_interval_columns() -> None:
 
 
 def test_each_exact_lever_names_a_test_that_exists() -> None:
-    for lever, ref in [*combinations.EXACT.items(), *quality_model.EXACT_DYNAMICCONV.items(),
+    for lever, ref in [*quality_model.EXACT.items(), *quality_model.EXACT_DYNAMICCONV.items(),
                        *quality_model.EQUAL_UP_TO_DROPOUT_DYNAMICCONV.items()]:
         path, test = ref.split("::")
         assert f"def {test}(" in (ROOT / path).read_text(), lever
@@ -593,14 +594,14 @@ def test_a_bad_activation_bits_list_stops_before_any_compute(task: str, kw: dict
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params[f"combinations_{task}"] = {**params[f"combinations_{task}"], **kw}
     with pytest.raises(ParamError, match=match):
-        combinations.resolve_task(task, params)
+        combination_grid.resolve_task(task, params)
 
 
 def test_the_prediction_adds_a_compressed_activations_effect_like_any_lossy_lever() -> None:
     cfgs = [{"microbatch": 8, "checkpoint": "block", "activation_bits": 8}, {"activation_bits": 4}]
     memory = pd.DataFrame({"config": [json.dumps(c) for c in cfgs]})
     effects = {**EFFECTS, ("activation_bits", 8): quality.Paired(-0.05, -1, 1, 3, 0.1)}
-    pred = combinations.predict(memory, effects)
+    pred = quality_model.predict(memory, effects)
     assert pred[0] == pytest.approx(-0.2 - 0.05) and np.isnan(pred[1])
 
 
@@ -622,7 +623,7 @@ def test_the_report_shows_a_wide_figure_scaled_to_its_width_with_the_aspect_kept
 SMALL_WRN = {"model": "wrn-10-1", "num_classes": 10, "in_channels": 3, "image_size": 32, "batch_size": 16, "device": "cpu"}
 
 
-def _optimizer_grid(**kw: object) -> combinations.CombinationsParams:
+def _optimizer_grid(**kw: object) -> combination_grid.CombinationsParams:
     return small(**{"sparsity": [0, 0.9], "precision": ["fp32", "half-bf16", "half-bf16-kahan"], "microbatch": [0, 8],
                     "checkpoint": ["none"], "optimizer": ["sgd", "bnb-sgd8bit"], "search": True,
                     "singles": [{"sparsity": 0.9}], **kw})
@@ -630,15 +631,15 @@ def _optimizer_grid(**kw: object) -> combinations.CombinationsParams:
 
 def test_the_wrn_grid_holds_8bit_momentum_and_kahan_bf16_as_settings_beyond_the_paper() -> None:
     p = _optimizer_grid()
-    g = combinations.grid(p)
+    g = combination_grid.grid(p)
     # 2 x 3 x 2 x 2 settings, less the 4 that would give Kahan's torch-optimi SGD a second optimizer
     assert len(g) == 24 - 4 and not [c for c in g if c.get("precision") == "half-bf16-kahan" and "optimizer" in c]
-    names = [combinations.name(p, c) for c in g]
+    names = [combination_grid.name(p, c) for c in g]
     # named as the levers stages' arms, so their runs and the grid's rows are one configuration
     assert "microbatch-8+bnb-sgd8bit" in names and "sparsity-0.9+half-bf16-kahan+microbatch-8" in names
-    kahan = combinations.wrn_techniques(p, {"precision": "half-bf16-kahan", "microbatch": 8})
+    kahan = combination_grid.wrn_techniques(p, {"precision": "half-bf16-kahan", "microbatch": 8})
     assert (kahan.precision, kahan.optimizer, kahan.microbatch) == ("half-bf16", "optimi-sgd", 8)
-    assert combinations.wrn_techniques(p, {"optimizer": "bnb-sgd8bit"}).optimizer == "bnb-sgd8bit"
+    assert combination_grid.wrn_techniques(p, {"optimizer": "bnb-sgd8bit"}).optimizer == "bnb-sgd8bit"
     table = pd.DataFrame({"config": [json.dumps(c) for c in g], "precision": [c.get("precision", "fp32") for c in g]})
     beyond = quality_model.beyond_paper_rows("wrn", table)
     assert [c for c, b in zip(g, beyond) if b] == [c for c in g if c.get("precision") == "half-bf16-kahan" or "optimizer" in c]
@@ -666,25 +667,25 @@ def test_a_bad_optimizer_lever_stops_before_any_compute(kw: dict, match: str) ->
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["combinations_wrn"] = {**params["combinations_wrn"], **kw}
     with pytest.raises(ParamError, match=match):
-        combinations.resolve_task("wrn", params)
+        combination_grid.resolve_task("wrn", params)
 
 
 def test_dynamicconv_takes_no_optimizer_list_and_a_missing_library_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     bad = {**params, "combinations_dynamicconv": {**params["combinations_dynamicconv"], "optimizer": ["sgd", "bnb-sgd8bit"]}}
     with pytest.raises(ParamError, match="DynamicConv's optimizer levers are precision settings \\(adamw-8bit, all-bf16-kahan\\)"):
-        combinations.resolve_task("dynamicconv", bad)
+        combination_grid.resolve_task("dynamicconv", bad)
     import importlib.util
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find(name, *a))
     params["combinations_wrn"] = {**params["combinations_wrn"], "optimizer": ["sgd", "bnb-sgd8bit"]}
     with pytest.raises(ParamError, match="needs bitsandbytes, which is not installed: `make setup`"):
-        combinations.resolve_task("wrn", params)
+        combination_grid.resolve_task("wrn", params)
 
 
 def test_the_grid_accounts_its_rows_as_the_accountant_does_kahan_doubling_the_bf16_state() -> None:
     p = _optimizer_grid(wrn=SMALL_WRN)
-    rows = {n: combinations.wrn_memory_row(p, c) for n, c in [
+    rows = {n: combination_memory.wrn_memory_row(p, c) for n, c in [
         ("plain", {"precision": "half-bf16"}), ("kahan", {"precision": "half-bf16-kahan"}), ("bnb", {"optimizer": "bnb-sgd8bit"})]}
     # bf16 momentum, then bf16 momentum and a bf16 compensation per weight
     assert rows["kahan"]["optimizer_mib"] == 2 * rows["plain"]["optimizer_mib"]
@@ -692,21 +693,21 @@ def test_the_grid_accounts_its_rows_as_the_accountant_does_kahan_doubling_the_bf
     from lowmem.wrn import memory as wrn_memory
     direct = wrn_memory.account(Techniques(optimizer="bnb-sgd8bit", sparse_format=p.sparse_format,
                                            dsr_periods=tuple(p.dsr["dsr_periods"]), dsr_reallocate=p.dsr["dsr_reallocate"]),
-                                combinations.wrn_shape(p), p.seed)
+                                combination_grid.wrn_shape(p), p.seed)
     assert rows["bnb"]["total_mib"] * 2**20 == direct.peak
 
 
 def test_a_memory_key_changes_with_each_input_of_the_row_and_with_the_accountant(monkeypatch: pytest.MonkeyPatch) -> None:
     p = _optimizer_grid(wrn=SMALL_WRN)
     configs = [{}, {"optimizer": "bnb-sgd8bit"}, {"precision": "half-bf16-kahan"}, {"sparsity": 0.9}]
-    keys, digest = combinations.memory_keys(p, configs)
-    assert len(set(keys)) == len(configs) and combinations.memory_keys(p, configs) == (keys, digest)
+    keys, digest = combination_memory.memory_keys(p, configs)
+    assert len(set(keys)) == len(configs) and combination_memory.memory_keys(p, configs) == (keys, digest)
     for other in (dataclasses.replace(p, seed=1), dataclasses.replace(p, sparse_format="csr32"),
                   dataclasses.replace(p, wrn={**SMALL_WRN, "batch_size": 8}),
                   dataclasses.replace(p, dsr={**p.dsr, "dsr_reallocate": p.dsr["dsr_reallocate"] + 1})):
-        assert not set(combinations.memory_keys(other, configs)[0]) & set(keys)
-    monkeypatch.setattr(combinations, "MEMORY_ROW_FORMAT", combinations.MEMORY_ROW_FORMAT + 1)
-    moved, moved_digest = combinations.memory_keys(p, configs)
+        assert not set(combination_memory.memory_keys(other, configs)[0]) & set(keys)
+    monkeypatch.setattr(combination_memory, "MEMORY_ROW_FORMAT", combination_memory.MEMORY_ROW_FORMAT + 1)
+    moved, moved_digest = combination_memory.memory_keys(p, configs)
     assert moved_digest != digest and not set(moved) & set(keys)
     # A library the grid does not use may be missing: its version is None, not an error.
     real = importlib.metadata.version
@@ -717,51 +718,51 @@ def test_a_memory_key_changes_with_each_input_of_the_row_and_with_the_accountant
         return real(lib)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert combinations.memory_keys(p, [{}])[1] not in (digest, moved_digest)
+    assert combination_memory.memory_keys(p, [{}])[1] not in (digest, moved_digest)
 
 
 def test_the_accounting_is_the_same_on_two_processes_and_resumes_from_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     p = _optimizer_grid(wrn=SMALL_WRN, workers=2)
     configs = [{}, {"optimizer": "bnb-sgd8bit"}, {"precision": "half-bf16-kahan", "microbatch": 8}, {"sparsity": 0.9, "optimizer": "bnb-sgd8bit"}]
-    serial = [combinations.wrn_memory_row(p, c) for c in configs]
+    serial = [combination_memory.wrn_memory_row(p, c) for c in configs]
     cache = tmp_path / "wrn_memory.csv"
-    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial  # spawned processes
+    assert combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial  # spawned processes
     table = pd.read_csv(cache, dtype={"memory_key": str})
-    assert list(table.memory_key) == combinations.memory_keys(p, configs)[0] and len(set(table.memory_key)) == 4
+    assert list(table.memory_key) == combination_memory.memory_keys(p, configs)[0] and len(set(table.memory_key)) == 4
     # From the cache nothing is accounted again; a row another accountant wrote is; an interruption keeps what was done.
     p.workers = 1
     calls: list[dict] = []
     fail_at = [3]  # the call that is killed
-    real = combinations.wrn_memory_row
+    real = combination_memory.wrn_memory_row
 
     written_when_killed: list[int] = []  # the rows on disk as the kill comes: what a SIGKILL would leave
 
-    def counted(q: combinations.CombinationsParams, cfg: dict) -> dict:
+    def counted(q: combination_grid.CombinationsParams, cfg: dict) -> dict:
         calls.append(cfg)
         if len(calls) == fail_at[0]:
             written_when_killed.append(len(pd.read_csv(cache)) if cache.exists() else 0)
             raise InterruptedError("killed")
         return real(q, cfg)
 
-    monkeypatch.setattr(combinations, "wrn_memory_row", counted)
-    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == []
+    monkeypatch.setattr(combination_memory, "wrn_memory_row", counted)
+    assert combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == []
     table.loc[1, "accountant"] = "another"
     table.to_csv(cache, index=False)
-    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == [configs[1]]
+    assert combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == [configs[1]]
     cache.unlink()
     calls.clear()
     with pytest.raises(InterruptedError):
-        combinations.wrn_memory_rows(p, configs, progress=False, cache=cache, every=2)
+        combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache, every=2)
     assert written_when_killed == [2] and len(pd.read_csv(cache)) == 2  # the first part, written before the interruption
     cache.unlink()  # and within one part, the rows accounted before the error are written as it stops
     calls.clear()
     with pytest.raises(InterruptedError):
-        combinations.wrn_memory_rows(p, configs, progress=False, cache=cache)
+        combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache)
     assert written_when_killed[-1] == 0  # nothing was on disk: the error wrote them
-    assert list(pd.read_csv(cache, dtype={"memory_key": str}).memory_key) == combinations.memory_keys(p, configs)[0][:2]
+    assert list(pd.read_csv(cache, dtype={"memory_key": str}).memory_key) == combination_memory.memory_keys(p, configs)[0][:2]
     calls.clear()
     fail_at[0] = 0
-    assert combinations.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == configs[2:]
+    assert combination_memory.wrn_memory_rows(p, configs, progress=False, cache=cache) == serial and calls == configs[2:]
 
 
 def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_single_trains(tmp_path: Path) -> None:
@@ -780,7 +781,7 @@ def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_singl
     (tmp_path / "levers_state_train.json").write_text(json.dumps(state))
     (tmp_path / "levers_train.json").write_text(json.dumps(levers))
     trained = [{"slot": 0, **_slot("baseline", base, seeds)}, {"slot": 1, **_slot("half-bf16", [a - 0.003 for a in base], seeds)}]
-    effects = combinations.lever_effects(p, trained, tmp_path)
+    effects = combination_search.lever_effects(p, trained, tmp_path)
     assert set(effects) == {("precision", "half-bf16"), ("optimizer", "bnb-sgd8bit"), ("precision", "half-bf16-kahan")}
     # the single's own slot wins over the levers stage's arm of the same setting; each arm against its own baseline
     assert effects[("precision", "half-bf16")][1] == "slot 1" and effects[("precision", "half-bf16")][0].mean == pytest.approx(-0.3)
@@ -790,7 +791,7 @@ def test_the_search_takes_a_levers_stage_arm_as_the_effect_of_a_setting_no_singl
     for other in ({"seeds": [7]}, {"epochs": recipe["epochs"] + 1}):  # another sample of runs, another recipe
         (tmp_path / "levers_train.json").write_text(json.dumps({**levers, **other}))
         with pytest.raises(FileNotFoundError, match="rerun stage levers_train"):
-            combinations.lever_effects(p, trained, tmp_path)
+            combination_search.lever_effects(p, trained, tmp_path)
 
 
 def test_a_slot_whose_metrics_hold_the_same_runs_is_kept_and_any_difference_retrains() -> None:
@@ -798,7 +799,7 @@ def test_a_slot_whose_metrics_hold_the_same_runs_is_kept_and_any_difference_retr
     chosen = {"slot": 12, "name": "microbatch-8+bnb-sgd8bit", "role": "search maximum",
               "config": {"microbatch": 8, "optimizer": "bnb-sgd8bit"}, "predicted_change": -1.0}
     base = combinations.BaselineParams(**p.train)
-    keys = [combinations.store_run(base, s, combinations.wrn_techniques(p, chosen["config"], base.batch_size)).key
+    keys = [combinations.store_run(base, s, combination_grid.wrn_techniques(p, chosen["config"], base.batch_size)).key
             for s in p.train_seeds]
     previous = {"task": "wrn", "profile": p.profile, **chosen, "slot": 14, "role": "search 64x", "seeds": p.train_seeds,
                 "runs": [{"key": k, "seed": s, "trained": True} for k, s in zip(keys, p.train_seeds)], "per_seed_acc": [0.9]}
@@ -815,7 +816,7 @@ def test_a_setting_whose_effect_came_from_a_levers_stage_shows_that_arms_quality
     p = _optimizer_grid(singles=[{"precision": "half-bf16"}])
     configs = [{}, {"precision": "half-bf16"}, {"optimizer": "bnb-sgd8bit"}, {"checkpoint": "block", "optimizer": "bnb-sgd8bit"},
                {"precision": "half-bf16", "optimizer": "bnb-sgd8bit"}]
-    rows = [{"name": combinations.name(p, c), **{d: c.get(d, getattr(p, d)[0]) for d in quality_model.dims("wrn")},
+    rows = [{"name": combination_grid.name(p, c), **{d: c.get(d, getattr(p, d)[0]) for d in quality_model.dims("wrn")},
              "config": json.dumps(c), "techniques": len(c), "total_mib": 100.0 / (1 + i), "reduction": 1.0 + i,
              "time_ratio": 1.0} for i, c in enumerate(configs)]
     pd.DataFrame(rows).to_csv(tmp_path / "wrn_sweep.csv", index=False)

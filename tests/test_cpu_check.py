@@ -8,11 +8,11 @@ import pytest
 import torch
 import yaml
 
-from lowmem.studies import cpu_check, gpu_check
+from lowmem.studies import cpu_check, gpu_memory
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 
-TINY = gpu_check.Check(torch.device("cpu"), wrn_memory.Shape("wrn-10-1", 16, 10, 3, 32), [], False)
+TINY = gpu_memory.Check(torch.device("cpu"), wrn_memory.Shape("wrn-10-1", 16, 10, 3, 32), [], False)
 
 
 def test_the_configurations_are_the_baseline_and_each_wrn_row_of_the_comparison_once() -> None:
@@ -21,7 +21,7 @@ def test_the_configurations_are_the_baseline_and_each_wrn_row_of_the_comparison_
     assert [n for n, _ in configs] == ["baseline", *dict.fromkeys(rows)]
     grid = {r["name"]: json.loads(r["config"]) for r in csv.DictReader(cpu_check.SWEEP.open())}
     for name, tech in configs[1:]:  # the sweep's levers, as the GPU check runs them
-        assert tech == gpu_check._named(TINY, grid[name])
+        assert tech == gpu_memory._named(TINY, grid[name])
     assert dict(configs)["baseline"] == Techniques()
 
 

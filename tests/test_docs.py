@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from lowmem.pipeline import docs
-from lowmem.studies import frontier
+from lowmem.studies import frontier_tables
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -25,7 +25,7 @@ def test_the_readme_is_short_and_opens_with_the_question_the_commands_and_the_he
     assert len(lines) <= 250
     first = "\n".join(lines[:40])
     assert "make repro" in first and "make test" in first and "Sohoni" in first
-    assert frontier.README_BEGIN in first and frontier.README_END in first
+    assert frontier_tables.README_BEGIN in first and frontier_tables.README_END in first
 
 
 def test_every_study_has_a_page_linked_from_the_readme_and_no_page_is_long() -> None:

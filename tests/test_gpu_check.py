@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lowmem.studies import gpu_check
+from lowmem.studies import gpu_check, gpu_memory
 
 ROOT = Path(__file__).parents[1]
 DEBIAN = Path("/usr/share/datasets/fashion-mnist")
@@ -69,8 +69,8 @@ def test_idx_files_read_as_numpy_match_their_header(tmp_path: Path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_accountant_with_workspace_and_library_memory_is_within_two_percent() -> None:
-    c = gpu_check.load_check(dry=False)
-    row = gpu_check.memory_row(c, "baseline", "baseline", gpu_check.Techniques(), gpu_check._Real(gpu_check.CUDAWorkspace()))
+    c = gpu_memory.load_check(dry=False)
+    row = gpu_memory.memory_row(c, "baseline", "baseline", gpu_memory.Techniques(), gpu_memory._Real(gpu_memory.CUDAWorkspace()))
     assert abs(row["gap_full_pct"]) < 2.0, row
 
 
@@ -99,8 +99,8 @@ def test_a_failed_configuration_keeps_its_error_in_the_tables_beside_the_others(
 
 
 def test_a_combination_is_checked_with_its_optimizer_and_compressed_activations() -> None:
-    c = gpu_check.load_check(dry=True)
-    t = gpu_check._named(c, {"precision": "half-fp16", "activation_bits": 4, "optimizer": "bnb-sgd8bit"})
+    c = gpu_memory.load_check(dry=True)
+    t = gpu_memory._named(c, {"precision": "half-fp16", "activation_bits": 4, "optimizer": "bnb-sgd8bit"})
     assert (t.precision, t.activation_bits, t.optimizer) == ("half-bf16", 4, "bnb-sgd8bit")  # a dry run's bf16
-    k = gpu_check._named(c, {"precision": "half-bf16-kahan", "microbatch": 8})
+    k = gpu_memory._named(c, {"precision": "half-bf16-kahan", "microbatch": 8})
     assert (k.precision, k.optimizer, k.microbatch) == ("half-bf16", "optimi-sgd", 8)

@@ -14,7 +14,7 @@ import yaml
 from scipy import stats
 
 from lowmem import config
-from lowmem.studies import combinations, proxy_noise, quality_model
+from lowmem.studies import combination_grid, proxy_noise, quality_model
 from lowmem.wrn.models import build_model
 
 MIB = 2**20
@@ -113,15 +113,15 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     m = notebook_metrics("09_combinations", "combinations")
     params = yaml.safe_load(config.PARAMS_YAML.read_text())
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
-        p = combinations.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
-        assert m[track]["accounted"] == len(combinations.grid(p))
-        paper = [c for c in combinations.grid(p) if not quality_model.beyond_paper(quality_model.techniques_config(track, c))
+        p = combination_grid.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
+        assert m[track]["accounted"] == len(combination_grid.grid(p))
+        paper = [c for c in combination_grid.grid(p) if not quality_model.beyond_paper(quality_model.techniques_config(track, c))
                  and c.get("precision") not in quality_model.BEYOND_PAPER_DYNAMICCONV]  # WRN's activations, 8-bit momentum and Kahan; DynamicConv's 8-bit Adam and Kahan
         assert m[track]["accounted_paper_levers"] == len(paper)
         # The rows "the paper's" never pick a combination with a lever beyond the paper: no part of a picked name is
         # the name of a setting beyond the paper (WRN's compressed activations, 8-bit momentum and Kahan's bf16;
         # DynamicConv's precision settings beyond it and its compressed activations).
-        beyond = {combinations.name(p, {d: v}) for d in quality_model.dims(track) for v in getattr(p, d)[1:]
+        beyond = {combination_grid.name(p, {d: v}) for d in quality_model.dims(track) for v in getattr(p, d)[1:]
                   if quality_model.beyond_paper(quality_model.techniques_config(track, {d: v}))
                   or v in quality_model.BEYOND_PAPER_DYNAMICCONV}
         assert {"activations-8", *({"bnb-sgd8bit", "half-bf16-kahan"} if track == "wrn" else {"adamw-8bit", "all-bf16-kahan"})} <= beyond

@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from lowmem.cli import hf, models
 from lowmem.cli.models import Spec, SpecError, shape
 from lowmem.cli.scalars import HostScalars, has_values
-from lowmem.memory.accounting import MemoryReport, Workspace, account_step
+from lowmem.memory.accounting import MemoryReport, account_step
+from lowmem.memory.ledger import Workspace
 from lowmem.memory.measure import CPUWorkspace, measure_step
 from lowmem.techniques import fused_step, optimizers, precision, sharding
 from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan

@@ -35,7 +35,7 @@ PLUGIN = "lowmem.dynamicconv.plugin"
 USER_DIR = "lowmem/fairseq_user_dir"
 # Files read next to a module's code (not imported): a module that reads one makes it a dep.
 DATA_FILES = {"lowmem.studies.frontier": ["lowmem/studies/paper_reference.yaml"],
-              "lowmem.studies.gpu_check": ["lowmem/studies/paper_reference.yaml"]}
+              "lowmem.studies.gpu_memory": ["lowmem/studies/paper_reference.yaml"]}
 MODULE_NAME = re.compile(r"^lowmem(\.\w+)+$")
 
 

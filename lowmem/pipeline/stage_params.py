@@ -23,15 +23,15 @@ from lowmem.config import ParamError
 # Imported for their @stage registrations: every stage's dataclass.
 from lowmem.studies import planner_params as _planner_params  # noqa: F401
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401
-from lowmem.studies import combinations
+from lowmem.studies import combination_grid
 from lowmem.studies import params as _study_params  # noqa: F401
 
 
 def resolve_all(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each stage's resolved parameters, by file stem; the first bad value raises ``ParamError``."""
     out = {name: config.resolve(name, params) for name in sorted(config.STAGES)}
-    for task in combinations.TASKS:
-        combinations.resolve_task(task, params)  # the combination stages read params.yaml themselves; checked here
+    for task in combination_grid.TASKS:
+        combination_grid.resolve_task(task, params)  # the combination stages read params.yaml themselves; checked here
     return out
 
 

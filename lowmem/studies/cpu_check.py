@@ -8,7 +8,7 @@ The accountant counts tensors; a device holds more (an op's scratch, a library's
 that on a lent GPU; this measures it on the machine that runs the pipeline, so that the headline's reductions have
 a measured column with no GPU. The configurations are the baseline and every WRN row of the combination study's
 comparison with the paper (``figures/09_paper_comparison.csv``), the rows the headline shows. Each is measured as the
-GPU check measures it (``lowmem.studies.gpu_check.memory_row``, on the CPU): one step at full size, and the
+GPU check measures it (``lowmem.studies.gpu_memory.memory_row``, on the CPU): one step at full size, and the
 accountant with and without each op's CPU workspace (``lowmem.memory.measure.CPUWorkspace``).
 """
 
@@ -30,7 +30,7 @@ from tqdm import tqdm
 from lowmem import runs
 from lowmem.cpu import cpu_class
 from lowmem.memory.measure import CPUWorkspace
-from lowmem.studies import gpu_check
+from lowmem.studies import gpu_memory
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 
@@ -43,7 +43,7 @@ COLUMNS = {"configuration": "configuration", "measured_mib": "measured (MiB)", "
            "accounted_reduction": "accounted reduction", "seconds": "seconds"}
 
 
-def configurations(check: gpu_check.Check, comparison: Path = COMPARISON, sweep: Path = SWEEP) -> list[tuple[str, Techniques]]:
+def configurations(check: gpu_memory.Check, comparison: Path = COMPARISON, sweep: Path = SWEEP) -> list[tuple[str, Techniques]]:
     """(name, techniques): the baseline, then each WRN configuration of the comparison once, in its order; a
     ValueError names a configuration the sweep does not hold."""
     grid = {r["name"]: json.loads(r["config"]) for r in csv.DictReader(sweep.open())}
@@ -54,14 +54,14 @@ def configurations(check: gpu_check.Check, comparison: Path = COMPARISON, sweep:
         raise ValueError(f"{comparison.name} names {missing}, which {sweep.name} does not hold: rerun stage "
                          "combinations first (dvc repro combinations)")
     names = list(dict.fromkeys(rows))
-    return [("baseline", Techniques()), *((n, gpu_check._named(check, grid[n])) for n in names)]
+    return [("baseline", Techniques()), *((n, gpu_memory._named(check, grid[n])) for n in names)]
 
 
-def measure(check: gpu_check.Check, configs: list[tuple[str, Techniques]]) -> list[dict[str, Any]]:
-    """One row per configuration (``gpu_check.memory_row``), with its reduction from the baseline's peak, measured
+def measure(check: gpu_memory.Check, configs: list[tuple[str, Techniques]]) -> list[dict[str, Any]]:
+    """One row per configuration (``gpu_memory.memory_row``), with its reduction from the baseline's peak, measured
     and accounted."""
-    workspace = gpu_check._Real(CPUWorkspace())
-    rows = [gpu_check.memory_row(check, name, "baseline" if name == "baseline" else "headline", tech, workspace)
+    workspace = gpu_memory._Real(CPUWorkspace())
+    rows = [gpu_memory.memory_row(check, name, "baseline" if name == "baseline" else "headline", tech, workspace)
             for name, tech in tqdm(configs, desc="cpu check", unit="configuration")]
     base = rows[0]
     for r in rows:
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--comparison", type=Path, default=COMPARISON, help="the rows to measure (task, our_config)")
     args = ap.parse_args(argv)
     mp = yaml.safe_load(args.params.read_text())
-    check = gpu_check.Check(torch.device("cpu"), wrn_memory.Shape(mp["model"], mp["reference_batch_size"], mp["num_classes"],
-                                                                   mp["in_channels"], mp["image_size"]), [], False)
+    check = gpu_memory.Check(torch.device("cpu"), wrn_memory.Shape(mp["model"], mp["reference_batch_size"], mp["num_classes"],
+                                                                    mp["in_channels"], mp["image_size"]), [], False)
     try:
         configs = configurations(check, args.comparison)
     except (FileNotFoundError, ValueError) as e:

@@ -44,7 +44,7 @@ from lowmem import runs
 from lowmem.config import ParamError
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
-from lowmem.studies.combinations import CombinationsParams, resolve_task, wrn_shape
+from lowmem.studies.combination_grid import CombinationsParams, resolve_task, wrn_shape
 from lowmem.studies.quality_model import arm_change as change
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 
 from lowmem.config import resolve_device
-from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, Workspace, account_step, standard_step
+from lowmem.memory.accounting import CATEGORIES, MIB, MemoryReport, account_step, standard_step
+from lowmem.memory.ledger import Workspace
 from lowmem.memory.measure import CPUWorkspace, measure_step
 from lowmem.studies.params import CheckpointingParams, MemoryProfileParams
 from lowmem.techniques import checkpoint

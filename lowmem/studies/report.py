@@ -15,7 +15,7 @@ from typing import Any
 import pandas as pd
 from PIL import Image as PILImage  # Pillow: matplotlib's own dependency
 
-from lowmem.studies import frontier, known
+from lowmem.studies import frontier, frontier_captions, known
 
 # The stages' figures each section shows, with the Markdown table whose caption (profile, data, method) goes under it.
 FIGURES: dict[str, list[tuple[str, str | None]]] = {
@@ -258,7 +258,7 @@ def headline_caption(r: Report) -> str:
             "rule, but the interval is wider than twice the budget. Measured reduction: the baseline's measured peak over "
             f"the configuration's, at the same full size, on a GPU by the GPU check (`{GPU_CHECK}`) and on this CPU by "
             f"stage cpu_check (`{CPU_CHECK}`, the CPU allocator's peak, op workspace included).{batching} Settings: {settings}. "
-            f"{frontier.rules_text()} Every column: figures/00_headline_full.md.")
+            f"{frontier_captions.rules_text()} Every column: figures/00_headline_full.md.")
 
 
 MICROBATCH_RUN = Path("metrics/translation_microbatch_train.json")

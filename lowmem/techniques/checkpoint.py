@@ -32,7 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import FlopCounterMode
 
-from lowmem.memory.accounting import forward_saved_bytes, recomputing
+from lowmem.memory.ledger import forward_saved_bytes, recomputing
 
 STRATEGIES = ("none", "block", "every-K", "sqrt", "selective", "optimal-B")  # as written in a spec
 Segment = tuple[int, int, bool]  # blocks [start, end), recomputed or not

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.memory.accounting import StorageRecord
+from lowmem.memory.ledger import StorageRecord
 from lowmem.techniques import optimizers
 
 INDEX_FORMATS = ("csr32", "csr16")  # CSR index width: 32-bit, or 16-bit in the layers where every index fits

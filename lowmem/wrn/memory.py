@@ -18,7 +18,8 @@ import dataclasses
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lowmem.memory.accounting import MemoryReport, StorageFormat, Workspace, account_step, dense
+from lowmem.memory.accounting import MemoryReport, StorageFormat, account_step, dense
+from lowmem.memory.ledger import Workspace
 from lowmem.techniques import checkpoint, precision, sparsity
 from lowmem.techniques.step import Techniques, train_step
 from lowmem.wrn.recipe import make_optimizer
