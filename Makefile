@@ -15,11 +15,11 @@ $(VENV)/.installed: requirements.txt requirements-2.txt constraints.txt pyprojec
 
 # dvc repro, with each stage's wall time written to figures/stage_times.{csv,md} (lowmem/pipeline/stage_times.py).
 repro: setup
-	python -m lowmem.pipeline.stage_times
+	python -m lowmem.pipeline times
 
 # The same, plus the stages left out of the default for time (frozen in dvc.yaml; README, "Left out of the default").
 repro-all: setup
-	python -m lowmem.pipeline.stage_times --all
+	python -m lowmem.pipeline times --all
 
 # Every tier in one pytest session, on two pytest-xdist workers (tests/conftest.py: the pipeline test, the notebooks
 # that reuse its runs and the assertions on their metrics share one worker, in order; the notebooks that only account,

@@ -11,7 +11,7 @@ run before any work, with a message that names the parameter and what is allowed
   from a params.yaml, or, for ``None``, from this checkout's params.yaml at the ``smoke`` profile: the default of
   every notebook's ``parameters`` cell, so that a notebook's smoke values have one source.
 
-``python -m lowmem.pipeline.stage_params`` resolves every stage at once (the pipeline's first stage).
+``python -m lowmem.pipeline params`` resolves every stage at once (the pipeline's first stage).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ def check_batch_sizes(name: str, value: Any) -> None:
             raise ParamError(f"{name} must hold positive integers (a batch size of 0 or below is meaningless), got {b!r}")
 
 
+def check_seeds(name: str, value: Any) -> None:
+    if not isinstance(value, list) or not value or not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        raise ParamError(f"{name} must be a non-empty list of integers, got {value!r}")
+
+
 def check_positive(**values: Any) -> None:
     for name, v in values.items():
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -91,7 +96,8 @@ def resolve(name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The flat, checked parameters of stage ``name`` for the profile named in ``params['base']``.
 
     A class may say where else its values come from: ``INHERITS`` names a stage resolved whole into its ``train``
-    field; ``FROM`` maps a field to the block it is read from when that block sets it."""
+    field; ``FROM`` maps a field to the block it is read from when that block sets it; ``derived(resolved)`` returns
+    fields taken from other stages' resolved values (``resolved(stage)``), for a study built on theirs."""
     cls = _stage_class(name)
     base = params.get("base", {})
     profile = base.get("profile")
@@ -108,6 +114,8 @@ def resolve(name: str, params: dict[str, Any]) -> dict[str, Any]:
     values.update({k: pick(v, profile) for k, v in block.items()})
     if hasattr(cls, "INHERITS"):
         values["train"] = resolve(cls.INHERITS, params)
+    if hasattr(cls, "derived"):
+        values.update(cls.derived(lambda other: resolve(other, params)))
     return dataclasses.asdict(cls(**values))
 
 
@@ -117,11 +125,14 @@ def smoke(params: dict[str, Any] | None = None) -> dict[str, Any]:
     return {**params, "base": {**params.get("base", {}), "profile": "smoke"}}
 
 
-def load(name: str, source: str | Path | None = None, **overrides: Any) -> Any:
+def load(name: str, source: str | Path | dict[str, Any] | None = None, **overrides: Any) -> Any:
     """Stage ``name``'s dataclass from ``source``: a resolved file (data/params/<stage>.yaml), a params.yaml (it has
-    a ``base`` block), or ``None`` for this checkout's params.yaml at the smoke profile. ``overrides`` replace
-    resolved values (where a notebook runs from, say)."""
-    data = resolve(name, smoke()) if source is None else yaml.safe_load(Path(source).read_text())
+    a ``base`` block) or its contents, or ``None`` for this checkout's params.yaml at the smoke profile.
+    ``overrides`` replace resolved values (where a notebook runs from, say)."""
+    if source is None:
+        data = resolve(name, smoke())
+    else:
+        data = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text())
     if "base" in data:
         data = resolve(name, data)
     cls = _stage_class(name)

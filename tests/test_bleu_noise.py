@@ -43,7 +43,7 @@ def test_a_committed_result_for_other_seeds_is_refused_with_the_command(tmp_path
     f = tmp_path / "bleu_noise_train.json"
     f.write_text(json.dumps(result([10.0, 11.0], [(-1.0, 1.0)])))
     p = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1, 2], noise_updates=[600])
-    with pytest.raises(ParamError, match="python -m lowmem.studies.bleu_noise"):
+    with pytest.raises(ParamError, match="python -m lowmem.pipeline bleu-noise"):
         bleu_noise.results(p, tmp_path, f)
     longer = TranslationTechniquesParams(profile="cpu", max_update=600, noise_seeds=[0, 1], noise_updates=[600, 1000])
     with pytest.raises(ParamError, match="noise_updates"):  # other lengths than the committed ones

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 import yaml
 
+from lowmem import config
 from lowmem.config import ParamError
 from lowmem.studies import (combination_grid, combination_memory, combination_search, combinations, frontier,
                             frontier_tables, quality, quality_model)
@@ -238,7 +239,7 @@ def test_every_committed_dynamicconv_arm_with_a_plugin_lever_beyond_the_paper_is
     drop out of the rows "the paper's and beyond" without an error; each levers stage's arms with one of the
     plugin's options beyond the paper are all there."""
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    techniques = combination_grid.resolve_task("dynamicconv", {**params, "base": {**params["base"], "profile": "cpu"}}).translation["techniques"]
+    techniques = config.load("combinations_dynamicconv", {**params, "base": {**params["base"], "profile": "cpu"}}).translation["techniques"]
     rows = frontier.beyond_rows_dynamicconv(ROOT / "data" / "combinations", ROOT / "metrics")
     for stage in frontier.LEVERS_STAGES_DYNAMICCONV:
         trained = json.loads((ROOT / "metrics" / f"{stage}.json").read_text())["trained"]
@@ -303,7 +304,7 @@ def test_readme_shows_the_headline_table_the_report_wrote() -> None:
 def small(task: str = "wrn", profile: str = "smoke", **kw: object) -> combination_grid.CombinationsParams:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["base"]["profile"] = profile
-    p = combination_grid.resolve_task(task, params)
+    p = config.load(f"combinations_{task}", params)
     if "activation_bits" not in kw:  # the paper's four dimensions, unless a test adds the fifth
         kw = {"activation_bits": [0], **({"search_paper": False} if task == "wrn" else {}), **kw}
     for k, v in kw.items():
@@ -389,7 +390,7 @@ def test_every_profile_chooses_as_many_combinations_as_the_matrix_has_slots() ->
     for task in combination_grid.TASKS:
         slots = dvc[f"combination_{task}"]["matrix"]["slot"]
         for profile in ("smoke", "cpu", "paper"):
-            p = combination_grid.resolve_task(task, {**params, "base": {**params["base"], "profile": profile}})
+            p = config.load(f"combinations_{task}", {**params, "base": {**params["base"], "profile": profile}})
             if p.search:  # the singles' slots, then the search's
                 slots_all = slots + dvc[f"combination_search_{task}"]["matrix"]["slot"]
                 assert slots == list(range(1 + len(p.singles)))
@@ -594,7 +595,7 @@ def test_a_bad_activation_bits_list_stops_before_any_compute(task: str, kw: dict
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params[f"combinations_{task}"] = {**params[f"combinations_{task}"], **kw}
     with pytest.raises(ParamError, match=match):
-        combination_grid.resolve_task(task, params)
+        config.load(f"combinations_{task}", params)
 
 
 def test_the_prediction_adds_a_compressed_activations_effect_like_any_lossy_lever() -> None:
@@ -667,20 +668,20 @@ def test_a_bad_optimizer_lever_stops_before_any_compute(kw: dict, match: str) ->
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     params["combinations_wrn"] = {**params["combinations_wrn"], **kw}
     with pytest.raises(ParamError, match=match):
-        combination_grid.resolve_task("wrn", params)
+        config.load("combinations_wrn", params)
 
 
 def test_dynamicconv_takes_no_optimizer_list_and_a_missing_library_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
     bad = {**params, "combinations_dynamicconv": {**params["combinations_dynamicconv"], "optimizer": ["sgd", "bnb-sgd8bit"]}}
     with pytest.raises(ParamError, match="DynamicConv's optimizer levers are precision settings \\(adamw-8bit, all-bf16-kahan\\)"):
-        combination_grid.resolve_task("dynamicconv", bad)
+        config.load("combinations_dynamicconv", bad)
     import importlib.util
     find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find(name, *a))
     params["combinations_wrn"] = {**params["combinations_wrn"], "optimizer": ["sgd", "bnb-sgd8bit"]}
     with pytest.raises(ParamError, match="needs bitsandbytes, which is not installed: `make setup`"):
-        combination_grid.resolve_task("wrn", params)
+        config.load("combinations_wrn", params)
 
 
 def test_the_grid_accounts_its_rows_as_the_accountant_does_kahan_doubling_the_bf16_state() -> None:

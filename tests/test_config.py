@@ -6,7 +6,7 @@ import yaml
 from lowmem import config
 from lowmem.config import PROFILES, STAGES, ParamError, load, resolve
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401  (registers the translation stages)
-from lowmem.pipeline.stage_params import main
+from lowmem.pipeline.commands import main
 from lowmem.studies import params as _study_params  # noqa: F401  (registers the WRN stages)
 
 PARAMS = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
@@ -46,7 +46,7 @@ def test_cli_stops_before_writing_anything(tmp_path: Path, capsys: pytest.Captur
     bad = tmp_path / "params.yaml"
     bad.write_text(yaml.safe_dump(with_({"profile": "huge"})))
     out = tmp_path / "resolved.yaml"
-    assert main(["--params", str(bad), "--out", str(out)]) == 2
+    assert main(["params", "--params", str(bad), "--out", str(out)]) == 2
     assert not out.exists()
     err = capsys.readouterr().err
     assert "base.profile" in err and "smoke, cpu, paper" in err

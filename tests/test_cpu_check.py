@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 
+from lowmem.pipeline import commands
 from lowmem.studies import cpu_check, gpu_memory
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
@@ -42,7 +43,7 @@ def test_each_row_is_measured_against_the_accountant_and_the_baseline(tmp_path: 
     comparison.write_text("task,our_config\nwrn,microbatch-8+checkpoint-block\ndynamicconv,checkpoint\n"
                           "wrn,checkpoint-block\nwrn,microbatch-8+checkpoint-block\n")
     out, table = tmp_path / "cpu_check.json", tmp_path / "00_cpu_check"
-    assert cpu_check.main(["--params", str(params), "--out", str(out), "--table", str(table), "--comparison", str(comparison)]) == 0
+    assert commands.main(["cpu-check", "--params", str(params), "--out", str(out), "--table", str(table), "--comparison", str(comparison)]) == 0
     res = json.loads(out.read_text())
     rows = {r["configuration"]: r for r in res["rows"]}
     assert list(rows) == ["baseline", "microbatch-8+checkpoint-block", "checkpoint-block"]

@@ -113,7 +113,7 @@ def test_09_combinations_accounts_every_combination_of_the_grid(notebook_metrics
     m = notebook_metrics("09_combinations", "combinations")
     params = yaml.safe_load(config.PARAMS_YAML.read_text())
     for track in ("wrn", "dynamicconv"):  # the committed sweeps, at the profile they name
-        p = combination_grid.resolve_task(track, {**params, "base": {**params["base"], "profile": m["profile"][track]}})
+        p = config.load(f"combinations_{track}", {**params, "base": {**params["base"], "profile": m["profile"][track]}})
         assert m[track]["accounted"] == len(combination_grid.grid(p))
         paper = [c for c in combination_grid.grid(p) if not quality_model.beyond_paper(quality_model.techniques_config(track, c))
                  and c.get("precision") not in quality_model.BEYOND_PAPER_DYNAMICCONV]  # WRN's activations, 8-bit momentum and Kahan; DynamicConv's 8-bit Adam and Kahan

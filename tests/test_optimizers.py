@@ -96,8 +96,8 @@ def test_the_levers_table_pairs_each_arm_by_seed_and_reduces_against_the_baselin
 
 
 def test_the_levers_study_refuses_an_unknown_arm_before_any_training(tmp_path, capsys) -> None:
-    from lowmem.studies import levers
+    from lowmem.pipeline import commands
 
-    assert levers.main(["--metrics", str(tmp_path / "m.json"), "--only", "baseline", "nope"]) == 2
+    assert commands.main(["levers", "--metrics", str(tmp_path / "m.json"), "--only", "baseline", "nope"]) == 2
     assert "--only: unknown arm(s) ['nope']; arms: baseline," in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()

@@ -35,15 +35,15 @@ def test_a_stage_that_fails_before_publishing_leaves_the_results_as_they_were(tm
     root, staging = _stage(tmp_path)
     # What a notebook stage runs: clear the staging folder, the notebook (here it writes one file, then fails),
     # then publish, which the shell's && never reaches.
-    script = (f"{sys.executable} -m lowmem.pipeline.outputs clear {staging} && "
+    script = (f"{sys.executable} -m lowmem.pipeline outputs clear {staging} && "
               f"{sys.executable} -c \"import pathlib; p = pathlib.Path('{staging}/figures'); p.mkdir(); "
               f"(p / 'x.md').write_text('half'); raise SystemExit(1)\" && "
-              f"{sys.executable} -m lowmem.pipeline.outputs publish {staging} --root {root}")
+              f"{sys.executable} -m lowmem.pipeline outputs publish {staging} --root {root}")
     r = subprocess.run(script, shell=True, cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 1
     assert (root / "figures/x.md").read_text() == "old table\n" and (root / "metrics/s.json").read_text() == '{"old": 1}\n'
     # The next attempt starts from an empty staging folder: nothing of the failed one is published.
-    subprocess.run([sys.executable, "-m", "lowmem.pipeline.outputs", "clear", str(staging)], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "-m", "lowmem.pipeline", "outputs", "clear", str(staging)], cwd=ROOT, check=True)
     assert outputs.publish(staging, root) == []
 
 

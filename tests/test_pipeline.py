@@ -54,7 +54,7 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     before = len(trained_events())
     first = run(["dvc", "repro", *TRAINING], dst)
     assert first.returncode == 0, first.stdout[-5000:] + first.stderr[-5000:]
-    index = run([sys.executable, "-m", "lowmem.pipeline.run_index"], dst)
+    index = run([sys.executable, "-m", "lowmem.pipeline", "runs"], dst)
     assert index.returncode == 0, index.stderr
     (dst / "trained_here.json").write_text(json.dumps(trained_events()[before:]))
     for cmd in (["git", "add", "-A"], ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "smoke"]):

@@ -136,7 +136,7 @@ def test_the_training_path_holds_the_trainer_and_techniques_but_no_study_or_othe
 def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL (no handler can run) while the train stage's entry point is between epochs, then the same command.
     The uninterrupted run is the same entry point called here: a third process would only add its imports."""
-    from lowmem.pipeline import train_stage
+    from lowmem.pipeline import commands
 
     block = {"profile": "smoke", "seed": 0, "seeds": [0], "dataset": "synthetic", "model": "wrn-10-1", "epochs": 4,
              "batch_size": 32, "train_subset": 256, "test_subset": 64, "device": "cpu"}
@@ -144,7 +144,7 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path
     params = tmp_path / "baseline.yaml"
     params.write_text(yaml.safe_dump(resolved))
     env = {**os.environ, "LOWMEM_RUNS": str(tmp_path / "cut")}
-    cmd = [sys.executable, "-m", "lowmem.pipeline.train_stage", "baseline", "--params", str(params), "--data-root", str(tmp_path / "raw")]
+    cmd = [sys.executable, "-m", "lowmem.pipeline", "train", "baseline", "--params", str(params), "--data-root", str(tmp_path / "raw")]
     proc = subprocess.Popen([*cmd, "--out", str(tmp_path / "cut.json")], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     store = tmp_path / "cut"
@@ -161,7 +161,7 @@ def test_a_run_killed_mid_training_resumes_to_the_uninterrupted_metrics(tmp_path
     assert events[0].startswith("resumed at epoch ") and events[-1] == "trained"
     monkeypatch.setenv("LOWMEM_RUNS", str(tmp_path / "whole"))
     monkeypatch.chdir(ROOT)
-    assert train_stage.main([*cmd[3:], "--out", str(tmp_path / "whole.json")]) == 0
+    assert commands.main(["train", *cmd[4:], "--out", str(tmp_path / "whole.json")]) == 0
     assert [e["event"] for e in runs.ledger(tmp_path / "whole")] == ["trained"]
     timing = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib")
     strip = lambda f: [{k: v for k, v in row.items() if k not in timing}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from lowmem.pipeline import stage_times
+from lowmem.pipeline import commands, stage_times
 
 DVC_YAML = """stages:
   a:
@@ -110,12 +110,12 @@ def test_make_repro_refreshes_the_readme_and_docs_embedded_tables(tmp_path: Path
     (tmp_path / "docs").mkdir()
     block = "<!-- lowmem:embed figures/t.md -->\n{}\n<!-- lowmem:embed:end -->\n"
     (tmp_path / "docs" / "p.md").write_text(block.format("| a |\n|---|\n| 1 |"))
-    assert stage_times.main(["--out", "figures/stage_times", "--", *_echo("Running stage 'a':\n")]) == 0
+    assert commands.main(["times", "--out", "figures/stage_times", "--", *_echo("Running stage 'a':\n")]) == 0
     assert (tmp_path / "docs" / "p.md").read_text() == block.format("| a |\n|---|\n| 2 |")
     # A command other than `make repro`'s (named stages, say) times its stages but is not the README's run.
     assert (tmp_path / "figures" / "stage_times.csv").exists() and not (tmp_path / "figures" / "stage_times_summary.md").exists()
     monkeypatch.setattr(stage_times, "timed", lambda cmd, done=None, started=None: (0, [("a", 60.0)]) if cmd == ["dvc", "repro"] else (1, []))
-    assert stage_times.main(["--out", "figures/stage_times"]) == 0
+    assert commands.main(["times", "--out", "figures/stage_times"]) == 0
     assert f"on {stage_times.cpu_class()}: 1 stage(s) in 1.0 min" in (tmp_path / "figures" / "stage_times_summary.md").read_text()
 
 

@@ -117,7 +117,7 @@ def test_bad_translation_parameters_are_refused_with_the_allowed_values() -> Non
 
 
 def _cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "lowmem.dynamicconv.translation", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "lowmem.pipeline", "dynamicconv", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 

@@ -1,12 +1,12 @@
 """The translation track's runs (Sohoni et al. 2019, the DynamicConv benchmark), through fairseq's own CLI:
 prepare → binarize → ``fairseq-train`` → checkpoint averaging → ``fairseq-generate`` (beam 4, ``--remove-bpe``).
 
-Each step is a subcommand of ``python -m lowmem.dynamicconv.translation`` that DVC runs with one stage's resolved parameters::
+Each step is a subcommand of ``python -m lowmem.pipeline dynamicconv`` that DVC runs with one stage's resolved parameters::
 
-    python -m lowmem.dynamicconv.translation prepare  --params data/params/translation_data.yaml
-    python -m lowmem.dynamicconv.translation binarize --params data/params/translation_data.yaml
-    python -m lowmem.dynamicconv.translation train    --params data/params/translation_train.yaml
-    python -m lowmem.dynamicconv.translation evaluate --params data/params/translation_evaluate.yaml
+    python -m lowmem.pipeline dynamicconv prepare  --params data/params/translation_data.yaml
+    python -m lowmem.pipeline dynamicconv binarize --params data/params/translation_data.yaml
+    python -m lowmem.pipeline dynamicconv train    --params data/params/translation_train.yaml
+    python -m lowmem.pipeline dynamicconv evaluate --params data/params/translation_evaluate.yaml
 
 ``train`` prints the exact ``fairseq-train`` command it runs. Its run lives in the run store (``lowmem.runs``),
 keyed by the command without its paths and device, the binarized data's digest, and, for runs through lowmem's
@@ -345,14 +345,15 @@ def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [rows[e] for e in sorted(rows)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("step", choices=("prepare", "binarize", "train", "evaluate"))
-    ap.add_argument("--params", type=Path, required=True, help="a stage's resolved parameters (python -m lowmem.dynamicconv.params)")
+    ap.add_argument("--params", type=Path, required=True, help="a stage's resolved parameters (python -m lowmem.pipeline params)")
     ap.add_argument("--data-dir", type=Path, default=DATA)
     ap.add_argument("--metrics", type=Path, help="write the step's summary here as JSON")
     ap.add_argument("--train-result", type=Path, help="evaluate: the train step's --metrics, naming the run to score")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     stage = {"prepare": "translation_data", "binarize": "translation_data", "train": "translation_train", "evaluate": "translation_evaluate"}[args.step]
     try:
         p = load(stage, args.params)
@@ -369,7 +370,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.metrics:
         runs.write_json(args.metrics, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -77,6 +77,8 @@ class CPUWorkspace:
     outputs. Pass it as ``workspace=`` to ``lowmem.memory.accounting.account_step``; the model itself may live on meta.
     """
 
+    DEVICE = "cpu"  # where the ops run on real tensors
+
     def __init__(self) -> None:
         self.cache: dict[Any, int] = {}
 
@@ -92,13 +94,13 @@ class CPUWorkspace:
             return ("T", tuple(a.shape), tuple(a.stride()), a.dtype)
         return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else type(a).__name__
 
-    @staticmethod
-    def _real(a: Any) -> Any:
+    @classmethod
+    def _real(cls, a: Any) -> Any:
         if not isinstance(a, torch.Tensor):
             return a
         # A base buffer viewed with the same strides: expanded (stride-0) inputs stay expanded.
         span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()) if n > 0) if a.numel() else 0
-        base = torch.empty(span, dtype=a.dtype, device="cpu")
+        base = torch.empty(span, dtype=a.dtype, device=cls.DEVICE)
         base = base.normal_() if base.is_floating_point() else base.zero_()
         return base.as_strided(a.shape, a.stride())
 

@@ -4,7 +4,7 @@ Two ways a result number may stand in ``README.md`` or ``docs/*.md``:
 
 - **inside an embed block** that the pipeline writes: the lines between ``<!-- lowmem:embed PATH -->`` and
   ``<!-- lowmem:embed:end -->`` are PATH's text. ``make repro`` rewrites every block after the pipeline
-  (``refresh``); ``python -m lowmem.pipeline.docs refresh`` does it alone;
+  (``refresh``); ``python -m lowmem.pipeline docs refresh`` does it alone;
 - **in prose, traced**: a comment ``<!-- numbers: PATH [PATH ...] -->`` names the committed files that the numbers
   after it (up to the next such comment) come from. Each number written there must be a value of one of those files
   (a CSV or Markdown cell, a JSON or YAML leaf, or any number in the file's text), equal at the precision written.
@@ -25,7 +25,6 @@ import io
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,17 +177,18 @@ def untraced(page: Path, root: Path) -> list[str]:
 def check(root: Path) -> list[str]:
     problems = []
     for page in pages(root):
-        problems += [f"{page.relative_to(root)}: embed block of {p} is stale (python -m lowmem.pipeline.docs refresh)"
+        problems += [f"{page.relative_to(root)}: embed block of {p} is stale (python -m lowmem.pipeline docs refresh)"
                      for p in stale_embeds(page, root)]
         problems += untraced(page, root)
     return problems
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Refresh or check the README's and docs/'s numbers.")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("action", choices=["refresh", "check"], help="refresh: rewrite embed blocks; check: list untraced numbers")
     ap.add_argument("--root", type=Path, default=Path("."))
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.action == "refresh":
         changed = [p for p in pages(args.root) if refresh(p, args.root)]
         print(f"embed blocks refreshed in {len(changed)} page(s)" + (f": {', '.join(map(str, changed))}" if changed else ""))
@@ -196,7 +196,3 @@ def main(argv: list[str] | None = None) -> int:
     problems = check(args.root)
     print("\n".join(problems) or "every number in README.md and docs/ is embedded, traced or allowed")
     return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

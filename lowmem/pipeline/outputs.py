@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -73,16 +74,16 @@ def publish(staging: Path, root: Path, executed: Path | None = None) -> list[Pat
     return done
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import shutil
-
-    ap = argparse.ArgumentParser(description="Publish a notebook stage's outputs once it has succeeded.")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("step", choices=("publish", "clear"))
     ap.add_argument("staging", type=Path, help="the stage's staging folder, e.g. data/staging/memory_profile")
     ap.add_argument("--root", type=Path, default=Path("."))
     ap.add_argument("--notebook", type=Path, help="publish: the executed notebook, copied for readers")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+
     if args.step == "clear":  # before the notebook runs: nothing of an earlier failed attempt is published
         shutil.rmtree(args.staging, ignore_errors=True)
         args.staging.mkdir(parents=True)
@@ -90,9 +91,3 @@ def main(argv: list[str] | None = None) -> int:
     for path in publish(args.staging, args.root, args.notebook):
         print(f"published {path}")
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """``metrics/runs.json``: every distinct training run of the pipeline once, with its key, what it is, the stages
 that use it, and which stage trained it.
 
-    python -m lowmem.pipeline.run_index --results data/results --metrics metrics --out metrics/runs.json
-    python -m lowmem.pipeline.run_index --planned data/params     # the keys the WRN stages would use now, untrained
+    python -m lowmem.pipeline runs --results data/results --metrics metrics --out metrics/runs.json
+    python -m lowmem.pipeline runs --planned data/params     # the keys the WRN stages would use now, untrained
 
 ``--planned`` prints, without training, the key of every run the WRN training stages plan at the resolved
 parameters in that folder, and the code digest of the fairseq plugin (the code part of every DynamicConv run's key):
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -117,13 +116,14 @@ def planned(params: Path) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--results", type=Path, default=Path("data/results"))
     ap.add_argument("--metrics", type=Path, default=Path("metrics"))
     ap.add_argument("--out", type=Path, default=Path("metrics/runs.json"))
     ap.add_argument("--planned", type=Path, metavar="PARAMS_DIR", help="print the planned keys (see above) and exit")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.planned:
         print(json.dumps(planned(args.planned), indent=1))
         return 0
@@ -131,7 +131,3 @@ def main(argv: list[str] | None = None) -> int:
     runs.write_json(args.out, out)
     print(f"{out['distinct_runs']} distinct runs, used {out['uses']} times; {out['trained_by_the_latest_stage_runs']} trained by the latest run of their stage")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,9 @@
-"""Each dvc.yaml stage's code deps, from what its command really runs: ``python -m lowmem.pipeline.stage_deps
+"""Each dvc.yaml stage's code deps, from what its command really runs: ``python -m lowmem.pipeline deps
 write`` rewrites them, ``check`` (and tests/test_dvc_deps.py) fails where dvc.yaml disagrees.
 
 What a stage runs is found from its command, in every way code gets in:
-- ``python -m lowmem.X``: the module;
+- ``python -m lowmem.pipeline COMMAND``: the command's module (``lowmem.pipeline.commands``), and ``python -m
+  lowmem.X``: the module;
 - ``papermill notebooks/N.ipynb``: the ``lowmem`` imports of the notebook's code cells;
 - fairseq's ``--user-dir``: the plugin package, when ``lowmem.dynamicconv.plugin`` is imported (its folder and the
   plugin's module are both deps);
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lowmem import runs
+from lowmem.pipeline.commands import COMMANDS
 
 ROOT = runs.PACKAGE.parent
 PLUGIN = "lowmem.dynamicconv.plugin"
@@ -55,8 +57,16 @@ def notebook_imports(path: Path) -> set[str]:
 
 
 def entry_points(cmd: str, root: Path = ROOT) -> set[str]:
-    """The ``lowmem`` modules a stage's command runs: ``python -m lowmem.X`` and the notebooks papermill executes."""
-    mods = set(re.findall(r"python -m (lowmem[\w.]*)", cmd))
+    """The ``lowmem`` modules a stage's command runs: ``python -m lowmem.pipeline COMMAND`` (the entry point and that
+    command's module alone), ``python -m lowmem.X``, and the notebooks papermill executes."""
+    mods: set[str] = set()
+    for module, command in re.findall(r"python -m (lowmem[\w.]*)(?: ([\w-]+))?", cmd):
+        if module == "lowmem.pipeline":
+            if command not in COMMANDS:
+                raise ValueError(f"{cmd!r} runs no command of python -m lowmem.pipeline (lowmem.pipeline.commands)")
+            mods |= {"lowmem.pipeline.__main__", f"lowmem.{COMMANDS[command][0]}"}
+        else:
+            mods.add(module)
     for nb in re.findall(r"papermill (notebooks/\S+\.ipynb)", cmd):
         mods |= notebook_imports(root / nb)
     return mods
@@ -161,11 +171,12 @@ def mismatches(dvc_yaml: Path, root: Path = ROOT) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("step", choices=("write", "check"))
     ap.add_argument("--dvc-yaml", type=Path, default=ROOT / "dvc.yaml")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.step == "write":
         changed = write(args.dvc_yaml)
         print(f"{args.dvc_yaml}: deps rewritten for {len(changed)} stage(s){': ' + ', '.join(changed) if changed else ''}")
@@ -174,10 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     for line in bad:
         print(line, file=sys.stderr)
     if bad:
-        print("error: dvc.yaml's code deps are not what the stages run: python -m lowmem.pipeline.stage_deps write",
+        print("error: dvc.yaml's code deps are not what the stages run: python -m lowmem.pipeline deps write",
               file=sys.stderr)
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

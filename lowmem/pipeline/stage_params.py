@@ -1,6 +1,6 @@
 """Every stage's parameters resolved and checked at once, before any stage runs.
 
-    python -m lowmem.pipeline.stage_params [--params params.yaml] [--out data/params]
+    python -m lowmem.pipeline params [--params params.yaml] [--out data/params]
 
 This is the pipeline's first stage and every other stage depends on its output, so a bad value anywhere in
 ``params.yaml`` (under ``dvc repro`` or ``dvc exp run -S``) stops the pipeline here, before DVC has removed any
@@ -23,23 +23,21 @@ from lowmem.config import ParamError
 # Imported for their @stage registrations: every stage's dataclass.
 from lowmem.studies import planner_params as _planner_params  # noqa: F401
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401
-from lowmem.studies import combination_grid
+from lowmem.studies import combination_grid as _combination_grid  # noqa: F401
 from lowmem.studies import params as _study_params  # noqa: F401
 
 
 def resolve_all(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Each stage's resolved parameters, by file stem; the first bad value raises ``ParamError``."""
-    out = {name: config.resolve(name, params) for name in sorted(config.STAGES)}
-    for task in combination_grid.TASKS:
-        combination_grid.resolve_task(task, params)  # the combination stages read params.yaml themselves; checked here
-    return out
+    return {name: config.resolve(name, params) for name in sorted(config.STAGES)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--params", default="params.yaml", type=Path)
     ap.add_argument("--out", default=Path("data/params"), type=Path)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         resolved = resolve_all(yaml.safe_load(args.params.read_text()))
     except ParamError as e:
@@ -50,7 +48,3 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists() or path.read_text() != text:
             runs.atomic_write(path, lambda p, t=text: Path(p).write_text(t))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """``dvc repro`` with each stage's wall time recorded: what `make repro` runs.
 
-    python -m lowmem.pipeline.stage_times [--all] [--out figures/stage_times] [-- dvc repro ARGS...]
+    python -m lowmem.pipeline times [--all] [--out figures/stage_times] [-- dvc repro ARGS...]
 
 ``--all`` (``make repro-all``) also runs the stages that dvc.yaml marks ``frozen: true``, the ones left out of the
 default pipeline to keep it within its time budget. DVC never runs a frozen stage and cannot unfreeze a matrix stage
@@ -226,18 +226,19 @@ def by_cpu(table: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([seconds.rename(columns=lambda c: f"seconds: {c}"), latest], axis=1).reset_index()
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    cmd = argv[argv.index("--") + 1:] if "--" in argv else ["dvc", "repro"]
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=Path("figures/stage_times"))
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
-    ap.add_argument("--all", action="store_true", help=f"also the stages left out of the default: {', '.join(left_out())}")
-    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    ap.add_argument("--all", action="store_true", help="also the stages left out of the default (frozen in dvc.yaml)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``args.command``: what follows ``--`` on the command line (``lowmem.pipeline.commands``), else None."""
+    cmd = args.command or ["dvc", "repro"]
     profile = yaml.safe_load(args.params.read_text())["base"]["profile"]
     t0 = time.monotonic()
     made_by = commit()  # before the run: what the stages ran from
-    if args.all and "--" in argv:
+    if args.all and args.command:
         ap.error("--all runs its own commands (the default pipeline, then the left-out stages forced); give no -- CMD")
     cmd = ["make", "repro-all"] if args.all else cmd
     cpu = cpu_class()
@@ -277,6 +278,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embedded tables refreshed in {', '.join(map(str, changed))}")
     return rc
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,10 +1,10 @@
 """The training half of each WRN study: its runs trained (or taken from the run store), their results as one small
 JSON that the study's notebook reads.
 
-    python -m lowmem.pipeline.train_stage STAGE --params data/params/STAGE.yaml --out data/results/STAGE_train.json
+    python -m lowmem.pipeline train STAGE --params data/params/STAGE.yaml --out data/results/STAGE_train.json
 
 STAGE is ``baseline``, ``sparsity``, ``precision``, ``microbatching`` or ``proxy_noise``; the resolved parameters come from
-``python -m lowmem.pipeline.stage_params``. Each run is keyed by what changes it (``lowmem.wrn.train.run_fields``), so a run that
+``python -m lowmem.pipeline params``. Each run is keyed by what changes it (``lowmem.wrn.train.run_fields``), so a run that
 two studies share (the fp32 reference of every study) is trained once, by whichever stage asks first.
 """
 
@@ -130,13 +130,14 @@ def histories(res: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame([{**row, **r["labels"]} for r in res["runs"] for row in r["history"]])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("stage", choices=tuple(PLANS))
-    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.config)")
+    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.pipeline params)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--data-root", default="data/raw", help="image datasets, from where this runs (the notebooks' ../data/raw)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     resolved = yaml.safe_load(args.params.read_text())
     try:
         if "train" in resolved:
@@ -145,11 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             resolved["data_root"] = args.data_root
         p = STAGES[args.stage](**resolved)
     except (ParamError, TypeError) as e:
-        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline.stage_params", file=sys.stderr)
+        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline params", file=sys.stderr)
         return 2
     runs.write_json(args.out, collect(args.stage, p))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ seed gives every length. The stage is left out of ``make repro``; its result is 
 (metrics/bleu_noise_train.json). Notebook 08 reads it, and notebook 09 and the headline widen DynamicConv's
 one-seed intervals by its seed sd (``frontier.widen_by_seed_noise``).
 
-    python -m lowmem.studies.bleu_noise --params data/params/translation_techniques.yaml --metrics FILE
+    python -m lowmem.pipeline bleu-noise --params data/params/translation_techniques.yaml --metrics FILE
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from lowmem.studies import quality
 from lowmem.studies import translation as translation_study
 from lowmem.studies.quality import MAX_SEEDS, half_width, sd_interval, seeds_needed
 
-COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.studies.bleu_noise "
+COMMAND = ("python -m lowmem.pipeline params && python -m lowmem.pipeline bleu-noise "
            "--params data/params/translation_techniques.yaml --metrics metrics/bleu_noise_train.json")
 TARGETS = (0.15, 0.3)  # BLEU: the paper's budget, and the issue's aim for the proxy
 SEEDS_SHOWN = (2, 3, 5, 8)
@@ -257,12 +257,13 @@ def cheapest(table: pd.DataFrame, target: float) -> int | None:
     return None if col.isna().all() else int(table.updates[col.idxmin()])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--params", type=Path, required=True, help="resolved translation_techniques (data/params/translation_techniques.yaml)")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA)
     ap.add_argument("--metrics", type=Path, required=True, help="write the runs' sacreBLEU and the pairs' intervals here")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         result = train(load("translation_techniques", args.params), args.data_dir)
     except (ParamError, FileNotFoundError) as e:
@@ -270,7 +271,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runs.write_json(args.metrics, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,16 +13,16 @@ trains ``combination_search``, the training and the stage's command ``combinatio
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lowmem.config import PROFILES, ParamError, pick, resolve
+from lowmem.config import PROFILES, ParamError, check_seeds, stage
 from lowmem.dynamicconv.params import TranslationTechniquesParams
-from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which resolve_task reads)
+from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which ``derived`` reads)
 from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, KAHAN_PRECISIONS_WRN, LEVERS_STAGES, dims,
                                           techniques_config)
 from lowmem.techniques import compress, optimizers, precision
@@ -115,8 +115,7 @@ class CombinationsParams:
             raise ParamError(f"combinations_{self.task}.search_paper: a second pass of the search needs search: true")
         if not self.levels or sorted(self.levels) != self.levels or self.levels[0] <= 1:
             raise ParamError(f"combinations_{self.task}.levels must be increasing reductions above 1, got {self.levels!r}")
-        if not self.train_seeds or not all(isinstance(s, int) for s in self.train_seeds):
-            raise ParamError(f"combinations_{self.task}.train_seeds must be a non-empty list of integers")
+        check_seeds(f"combinations_{self.task}.train_seeds", self.train_seeds)
         if self.search:
             if self.task != "wrn":
                 raise ParamError(f"combinations_{self.task}.search: the quality-aware search is WRN's only")
@@ -162,21 +161,41 @@ class CombinationsParams:
                                  f"{', '.join(KAHAN_PRECISIONS_WRN)}") from None
 
 
-def resolve_task(task: str, params: dict[str, Any]) -> CombinationsParams:
-    """The checked parameters of ``task``'s combination study for the profile of ``params['base']``."""
-    profile = params.get("base", {}).get("profile")
-    block = {k: pick(v, profile) for k, v in params.get(f"combinations_{task}", {}).items()}
-    known = {f.name for f in dataclasses.fields(CombinationsParams)}
-    if set(block) - known:
-        raise ParamError(f"unknown parameter(s) {sorted(set(block) - known)} in block combinations_{task}; known: {sorted(known)}")
-    extra: dict[str, Any] = {}
-    if task == "wrn":
-        sp = resolve("sparsity", params)
-        extra = {"train": sp["train"], "dsr": {"dsr_periods": sp["dsr_periods"], "dsr_reallocate": sp["dsr_reallocate"]},
-                 "wrn": {k: sp[k] for k in ("model", "num_classes", "in_channels", "image_size", "batch_size", "device")}}
-    elif task == "dynamicconv":
-        extra = {"translation": resolve("translation_techniques", params)}
-    return CombinationsParams(task=task, profile=profile, seed=params.get("base", {}).get("seed", 0), **block, **extra)
+@stage("combinations_wrn")
+@dataclass
+class WrnCombinationsParams(CombinationsParams):
+    """Block ``combinations_wrn``; the trained runs' recipe, DSR's schedule and the full-size shape are stage
+    sparsity's (``derived``)."""
+
+    task: str = "wrn"
+
+    def __post_init__(self) -> None:
+        if self.task != "wrn":
+            raise ParamError(f"combinations_wrn.task must be wrn, got {self.task!r}")
+        super().__post_init__()
+
+    @staticmethod
+    def derived(resolved: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        sp = resolved("sparsity")
+        return {"train": sp["train"], "dsr": {"dsr_periods": sp["dsr_periods"], "dsr_reallocate": sp["dsr_reallocate"]},
+                "wrn": {k: sp[k] for k in ("model", "num_classes", "in_channels", "image_size", "batch_size", "device")}}
+
+
+@stage("combinations_dynamicconv")
+@dataclass
+class DynamicConvCombinationsParams(CombinationsParams):
+    """Block ``combinations_dynamicconv``; the runs' settings are stage translation_techniques' (``derived``)."""
+
+    task: str = "dynamicconv"
+
+    def __post_init__(self) -> None:
+        if self.task != "dynamicconv":
+            raise ParamError(f"combinations_dynamicconv.task must be dynamicconv, got {self.task!r}")
+        super().__post_init__()
+
+    @staticmethod
+    def derived(resolved: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+        return {"translation": resolved("translation_techniques")}
 
 
 def accountable(p: CombinationsParams, cfg: dict[str, Any]) -> bool:

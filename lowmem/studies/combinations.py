@@ -7,10 +7,10 @@ the sweep of the grid (``combination_grid``, accounted by ``combination_memory``
 - DynamicConv: every combination is a set of fairseq-train options of lowmem's plugin (``lowmem.studies.translation``);
   memory is the full-size model's update at the recipe's tokens, and a chosen combination trains with fairseq-train.
 
-    python -m lowmem.studies.combinations sweep wrn|dynamicconv [--params params.yaml]
-    python -m lowmem.studies.combinations account wrn   (the accounting alone, into data/combinations/wrn_memory.csv)
-    python -m lowmem.studies.combinations train wrn|dynamicconv --slot N [--params params.yaml]
-    python -m lowmem.studies.combinations search wrn   (then train the slots it picked)
+    python -m lowmem.pipeline combinations sweep wrn|dynamicconv [--params params.yaml]
+    python -m lowmem.pipeline combinations account wrn   (the accounting alone, into data/combinations/wrn_memory.csv)
+    python -m lowmem.pipeline combinations train wrn|dynamicconv --slot N [--params params.yaml]
+    python -m lowmem.pipeline combinations search wrn   (then train the slots it picked)
 
 A slot whose persisted metrics already hold its configuration trained with the same run keys is kept, so a search
 whose picks moved retrains only what changed.
@@ -27,12 +27,12 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from lowmem import runs
+from lowmem import config, runs
 from lowmem.config import ParamError
 from lowmem.dynamicconv import translation
 from lowmem.dynamicconv.params import TranslationEvaluateParams
 from lowmem.studies import quality
-from lowmem.studies.combination_grid import (TASKS, CombinationsParams, grid, name, resolve_task, translation_params,
+from lowmem.studies.combination_grid import (TASKS, CombinationsParams, grid, name, translation_params,
                                              wrn_techniques)
 from lowmem.studies.combination_memory import MEMORY_CACHE, sweep, wrn_memory_rows
 from lowmem.studies.combination_search import chosen_slots, search_slots, search_step, select
@@ -112,8 +112,7 @@ def train_translation(p: CombinationsParams, cfg: dict[str, Any], data_dir: Path
             "time_ratio": round(float(per[n] / per["baseline"]), 3), "timing": timing}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("step", choices=("account", "sweep", "select", "search", "train"),
                     help="account: WRN's grid accounted into the sweep's memory cache only (resumable; the sweep then "
                          "times it); sweep: account (and time) the grid and select; select: select again from the "
@@ -128,9 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-root", default="data/raw", help="WRN: image datasets (the notebooks' ../data/raw, from the repository root)")
     ap.add_argument("--metrics", type=Path, help="train: write the run's metrics here")
     ap.add_argument("--results", type=Path, help="a copy of what the step wrote, kept in the DVC cache (dvc.yaml)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
-        p = resolve_task(args.task, yaml.safe_load(args.params.read_text()))
+        p = config.load(f"combinations_{args.task}", yaml.safe_load(args.params.read_text()))
         if p.train:
             p.train["data_root"] = args.data_root
         if args.step == "account":
@@ -191,7 +192,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         runs.write_json(args.results, out)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """The headline's WRN configurations measured for real on this CPU: WRN-28-2 at B = 128 (stage memory_profile's
 resolved parameters), one real step each, the CPU allocator's peak through the profiler, beside the accountant.
 
-    python -m lowmem.studies.cpu_check [--params data/params/memory_profile.yaml] [--out metrics/cpu_check.json]
+    python -m lowmem.pipeline cpu-check [--params data/params/memory_profile.yaml] [--out metrics/cpu_check.json]
         [--table figures/00_cpu_check] [--comparison CSV]
 
 The accountant counts tensors; a device holds more (an op's scratch, a library's workspace). The GPU check measures
@@ -83,8 +83,7 @@ def table(res: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(res["rows"])[list(COLUMNS)].rename(columns=COLUMNS).round(3)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--params", type=Path, default=Path("data/params/memory_profile.yaml"),
                     help="stage memory_profile's resolved parameters (model, reference_batch_size, the input's shape)")
     ap.add_argument("--out", type=Path, default=Path("metrics/cpu_check.json"))
@@ -92,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw", type=Path, help="also write the result here (stage cpu_check: DVC's cached copy, which a "
                     "fresh clone lacks, so that `make repro` measures this machine again)")
     ap.add_argument("--comparison", type=Path, default=COMPARISON, help="the rows to measure (task, our_config)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     mp = yaml.safe_load(args.params.read_text())
     check = gpu_memory.Check(torch.device("cpu"), wrn_memory.Shape(mp["model"], mp["reference_batch_size"], mp["num_classes"],
                                                                     mp["in_channels"], mp["image_size"]), [], False)
@@ -109,7 +110,3 @@ def main(argv: list[str] | None = None) -> int:
     t.to_csv(args.table.with_suffix(".csv"), index=False)
     args.table.with_suffix(".md").write_text(caption(res) + "\n\n" + t.to_markdown(index=False) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,11 +12,13 @@ not; ``TOTALS`` maps both to the accountant's five categories for the table.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -244,21 +246,20 @@ SAC_CAPTION = ("lowmem's DP checkpoint planner against PyTorch's SAC integer pro
                "under the tool's own model.")
 
 
-if __name__ == "__main__":
-    import argparse
-    from pathlib import Path
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--table", type=Path, help="write the MemTracker table here as Markdown (and a CSV beside it)")
     ap.add_argument("--sac-table", type=Path, help="write the SAC integer program table here (and a CSV beside it)")
-    a = ap.parse_args()
+
+
+def run(a: argparse.Namespace) -> int:
     if not (a.table or a.sac_table):
-        ap.error("give --table, --sac-table or both")
+        raise SystemExit("error: give --table, --sac-table or both")
     for out, make, caption in ((a.table, table, CAPTION), (a.sac_table, sac_table, SAC_CAPTION)):
         if out:
             t = make()
             t.to_csv(out.with_suffix(".csv"), index=False)
             out.write_text(caption + "\n\n" + t.round(2).to_markdown(index=False) + "\n")
+    return 0
 
 
 # --- FSDPMemTracker: the per-device account of a sharded step --------------------------------------------------

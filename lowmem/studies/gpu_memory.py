@@ -45,14 +45,7 @@ class CUDAWorkspace(CPUWorkspace):
     once per call signature on random CUDA tensors of the same shapes, and its peak beyond its outputs is kept.
     No library reports this per op; ``torch.cuda.max_memory_allocated`` around the op is the allocator's own count."""
 
-    @staticmethod
-    def _real(a: Any) -> Any:
-        if not isinstance(a, torch.Tensor):
-            return a
-        span = 1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride()) if n > 0) if a.numel() else 0
-        base = torch.empty(span, dtype=a.dtype, device="cuda")
-        base = base.normal_() if base.is_floating_point() else base.zero_()
-        return base.as_strided(a.shape, a.stride())
+    DEVICE = "cuda"
 
     def _measure(self, func: Any, args: tuple, kwargs: dict) -> int:
         with torch.random.fork_rng(devices=[torch.cuda.current_device()]):

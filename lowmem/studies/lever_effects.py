@@ -13,7 +13,7 @@ pandas' tables nor scipy's t. Two lists:
   baseline's seed noise where that was measured at the same profile and length (figures/08_translation_techniques.csv;
   8-bit AdamW and Kahan's AdamW from stages translation_levers_train and translation_kahan_train).
 
-    python -m lowmem.studies.lever_effects --root . --out metrics/lever_effects.json
+    python -m lowmem.pipeline lever-effects --root . --out metrics/lever_effects.json
 """
 
 from __future__ import annotations
@@ -132,14 +132,11 @@ def effects(root: Path) -> dict[str, Any]:
     return {"wrn": wrn(root), "fairseq": fairseq(root)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--root", type=Path, default=Path("."), help="the checkout whose figures/ and metrics/ are read")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write (metrics/lever_effects.json)")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     runs.write_json(a.out, effects(a.root))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,14 +17,14 @@ baseline and against the arm it adds one lever to, which separates that lever's 
 size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``). The frontier (``lowmem.studies.frontier``) takes the arms with
 a lever beyond the paper into the headline's rows "the paper's and beyond".
 
-    python -m lowmem.studies.levers --metrics metrics/levers_train.json --tables figures [--only ARM ...]
+    python -m lowmem.pipeline levers --metrics metrics/levers_train.json --tables figures [--only ARM ...]
 
 ``--only`` trains the named arms alone, into a metrics file of their own: arms are paired only within one file,
 since the same seed gives other accuracies on another CPU (oneDNN picks other kernels). ``machine`` is the CPU that
 ran the command; runs it takes from the run store keep their own numbers, and run keys leave the machine out, so a
 study is trained through an empty store on one machine (as levers_state_train was). A study's table is written where its file has all of its arms. Stage levers_state_train:
 
-    python -m lowmem.studies.levers --metrics metrics/levers_state_train.json --tables figures --only baseline \
+    python -m lowmem.pipeline levers --metrics metrics/levers_state_train.json --tables figures --only baseline \
         optimi-sgd microbatch-8+checkpoint-block bnb-sgd8bit microbatch-8+checkpoint-block+bnb-sgd8bit
 """
 
@@ -40,11 +40,11 @@ from typing import Any
 import pandas as pd
 import yaml
 
-from lowmem import runs
+from lowmem import config, runs
 from lowmem.config import ParamError
 from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
-from lowmem.studies.combination_grid import CombinationsParams, resolve_task, wrn_shape
+from lowmem.studies.combination_grid import CombinationsParams, wrn_shape
 from lowmem.studies.quality_model import arm_change as change
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
@@ -133,8 +133,7 @@ def caption(res: dict[str, Any]) -> str:
             f"after another{', ' + res['machine'] if 'machine' in res else ''}).")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the profile's combinations_wrn block is read")
     ap.add_argument("--data-root", default="data/raw", help="image datasets (Fashion-MNIST at the cpu profile)")
     ap.add_argument("--metrics", type=Path, required=True, help="write every arm's per-seed accuracy and memory here")
@@ -142,12 +141,14 @@ def main(argv: list[str] | None = None) -> int:
                     "(11_levers_<study>.md)")
     ap.add_argument("--only", nargs="+", metavar="ARM", help=f"train these arms only (a study of its own, written to "
                     f"--metrics; pair arms only within one file: one machine, one run store); arms: {', '.join(ARMS)}")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         unknown = sorted(set(args.only or ()) - set(ARMS))
         if unknown:
             raise ValueError(f"--only: unknown arm(s) {unknown}; arms: {', '.join(ARMS)}")
-        p = resolve_task("wrn", yaml.safe_load(args.params.read_text()))
+        p = config.load("combinations_wrn", yaml.safe_load(args.params.read_text()))
         p.train["data_root"] = args.data_root
         res = train_arms(p, only=args.only)
     except (ParamError, FileNotFoundError, ValueError) as e:
@@ -158,7 +159,3 @@ def main(argv: list[str] | None = None) -> int:
         if all(a in res["arms"] for pair in PAIRS[study] for a in pair):
             (args.tables / f"11_levers_{study}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

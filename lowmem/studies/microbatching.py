@@ -21,7 +21,7 @@ from lowmem.wrn.train import Techniques, summarize, train_step
 
 # Stage microbatching_train is left out of `make repro` for time (twelve WRN runs, eight of them at microbatches of
 # 4 and 8 images, the slowest steps of the default pipeline on an AVX2-only CPU): its runs are committed.
-COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage microbatching --params "
+COMMAND = ("python -m lowmem.pipeline params && python -m lowmem.pipeline train microbatching --params "
            "data/params/microbatching.yaml --out metrics/microbatching_train.json")
 
 

@@ -5,24 +5,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lowmem.config import DEVICES, PROFILES, ParamError, check_batch_sizes, check_choice, stage
+from lowmem.config import DEVICES, PROFILES, ParamError, check_batch_sizes, check_choice, check_seeds, stage
 from lowmem.techniques.checkpoint import parse as parse_checkpoint
 from lowmem.techniques.microbatch import NORMS
 from lowmem.techniques.precision import MODES
 from lowmem.wrn.params import check_model
 
 
-@stage("memory_profile")
 @dataclass
-class MemoryProfileParams:
-    """Stage ``memory_profile``: where the memory of one WRN training step goes (notebook 01)."""
+class FullSize:
+    """What every WRN study's stage holds: the profile that resolved it (params.yaml's base), its seed, and the model
+    whose memory it accounts at full size."""
 
     profile: str = "smoke"
-    seed: int = 0  # seeds the weights and batch of the measured runs
-    model: str = "wrn-28-2"
+    seed: int = 0  # seeds the weights and batch of the accounted and measured steps
+    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
     num_classes: int = 10
     in_channels: int = 3
     image_size: int = 32  # pixels per side
+
+    def __post_init__(self) -> None:
+        check_choice("profile", self.profile, PROFILES)
+        check_model("model", self.model)
+        for name in ("num_classes", "in_channels", "image_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ParamError(f"{name} must be a positive integer, got {v!r}")
+
+
+@stage("memory_profile")
+@dataclass
+class MemoryProfileParams(FullSize):
+    """Stage ``memory_profile``: where the memory of one WRN training step goes (notebook 01)."""
+
     lr: float = 0.1  # only so the optimizer step is the recipe's; memory does not depend on it
     accounted_batch_sizes: list[int] = field(default_factory=lambda: [1, 128])  # accounted at full size on meta
     measured_batch_sizes: list[int] = field(default_factory=lambda: [2])  # run for real on `device`
@@ -30,8 +45,7 @@ class MemoryProfileParams:
     device: str = "auto"  # where measured steps run: cuda if available under "auto"
 
     def __post_init__(self) -> None:
-        check_choice("profile", self.profile, PROFILES)
-        check_model("model", self.model)
+        super().__post_init__()
         check_choice("device", self.device, DEVICES)
         check_batch_sizes("accounted_batch_sizes", self.accounted_batch_sizes)
         check_batch_sizes("measured_batch_sizes", self.measured_batch_sizes)
@@ -39,23 +53,13 @@ class MemoryProfileParams:
             raise ParamError(
                 f"reference_batch_size={self.reference_batch_size!r} must be one of accounted_batch_sizes {self.accounted_batch_sizes}"
             )
-        for name in ("num_classes", "in_channels", "image_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ParamError(f"{name} must be a positive integer, got {v!r}")
 
 
 @stage("checkpointing")
 @dataclass
-class CheckpointingParams:
+class CheckpointingParams(FullSize):
     """Stage ``checkpointing``: strategies compared at full size, and timed (notebook 06)."""
 
-    profile: str = "smoke"
-    seed: int = 0
-    model: str = "wrn-28-2"
-    num_classes: int = 10
-    in_channels: int = 3
-    image_size: int = 32
     batch_size: int = 128  # accounted at full size on the meta device
     strategies: list[str] = field(default_factory=lambda: ["none", "block", "sqrt", "selective", "optimal-0.5"])
     timing_batch_size: int = 4  # real steps on `device`
@@ -63,8 +67,7 @@ class CheckpointingParams:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        check_choice("profile", self.profile, PROFILES)
-        check_model("model", self.model)
+        super().__post_init__()
         check_choice("device", self.device, DEVICES)
         check_batch_sizes("batch_size", [self.batch_size])
         check_batch_sizes("timing_batch_size", [self.timing_batch_size])
@@ -80,18 +83,12 @@ class CheckpointingParams:
 
 @stage("microbatching")
 @dataclass
-class MicrobatchingParams:
+class MicrobatchingParams(FullSize):
     """Stage ``microbatching``: memory against the microbatch size b at full size, and accuracy and throughput of
     training with per-microbatch BatchNorm and its remedies (notebook 05). Training uses the ``baseline`` block."""
 
     INHERITS = "baseline"  # the resolved baseline block arrives as `train`
 
-    profile: str = "smoke"
-    seed: int = 0
-    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
-    num_classes: int = 10
-    in_channels: int = 3
-    image_size: int = 32
     batch_size: int = 128  # B of the memory study
     memory_microbatches: list[int] = field(default_factory=lambda: [128, 32])  # b values accounted at batch B
     norms: list[str] = field(default_factory=lambda: ["batch", "group", "renorm"])
@@ -101,8 +98,7 @@ class MicrobatchingParams:
     train: dict = field(default_factory=dict)  # the baseline block, resolved
 
     def __post_init__(self) -> None:
-        check_choice("profile", self.profile, PROFILES)
-        check_model("model", self.model)
+        super().__post_init__()
         check_batch_sizes("batch_size", [self.batch_size])
         check_batch_sizes("memory_microbatches", self.memory_microbatches)
         if max(self.memory_microbatches) > self.batch_size:
@@ -113,24 +109,17 @@ class MicrobatchingParams:
             raise ParamError(f"train_norms must be a non-empty subset of norms {self.norms}, got {self.train_norms!r}")
         if not self.train_microbatches or not all(isinstance(b, int) and b >= 0 for b in self.train_microbatches):
             raise ParamError(f"train_microbatches must be integers >= 0 (0 = no split), got {self.train_microbatches!r}")
-        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
-            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+        check_seeds("train_seeds", self.train_seeds)
 
 
 @stage("precision")
 @dataclass
-class PrecisionParams:
+class PrecisionParams(FullSize):
     """Stage ``precision``: what each 16-bit mode stores, at full size, and what it costs in accuracy, skipped steps
     and step time (notebook 04). Training uses the ``baseline`` block."""
 
     INHERITS = "baseline"  # the resolved baseline block arrives as `train`
 
-    profile: str = "smoke"
-    seed: int = 0
-    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
-    num_classes: int = 10
-    in_channels: int = 3
-    image_size: int = 32
     batch_size: int = 128
     modes: list[str] = field(default_factory=lambda: ["fp32", "mixed-bf16", "mixed-fp16", "half-bf16", "half-fp16"])
     # Microbatch sizes accounted at batch B: at small b the weights, gradients and optimizer state dominate, and
@@ -145,8 +134,7 @@ class PrecisionParams:
     train: dict = field(default_factory=dict)  # the baseline block, resolved
 
     def __post_init__(self) -> None:
-        check_choice("profile", self.profile, PROFILES)
-        check_model("model", self.model)
+        super().__post_init__()
         check_choice("device", self.device, DEVICES)
         for name in ("batch_size", "timing_batch_size", "timing_repeats", "check_batch_size"):
             check_batch_sizes(name, [getattr(self, name)])
@@ -158,24 +146,17 @@ class PrecisionParams:
                 check_choice(name, m, MODES)
             if "fp32" not in getattr(self, name):
                 raise ParamError(f"{name} must include 'fp32', the reference of every ratio; got {getattr(self, name)}")
-        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
-            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+        check_seeds("train_seeds", self.train_seeds)
 
 
 @stage("sparsity")
 @dataclass
-class SparsityParams:
+class SparsityParams(FullSize):
     """Stage ``sparsity``: sparse 3x3 block convs (DSR and static), memory at full size with CSR storage, and
     accuracy and step time of real training (notebook 03). Training uses the ``baseline`` block."""
 
     INHERITS = "baseline"  # the resolved baseline block arrives as `train`
 
-    profile: str = "smoke"
-    seed: int = 0
-    model: str = "wrn-28-2"  # the memory study's model, accounted at full size
-    num_classes: int = 10
-    in_channels: int = 3
-    image_size: int = 32
     batch_size: int = 128
     memory_levels: list[float] = field(default_factory=lambda: [0.0, 0.5, 0.9])  # sparsities accounted; 0 = dense
     formats: list[list[int]] = field(default_factory=lambda: [[4, 4], [4, 2], [2, 2]])  # CSR (value, index) bytes
@@ -191,8 +172,7 @@ class SparsityParams:
     train: dict = field(default_factory=dict)  # the baseline block, resolved
 
     def __post_init__(self) -> None:
-        check_choice("profile", self.profile, PROFILES)
-        check_model("model", self.model)
+        super().__post_init__()
         check_choice("device", self.device, DEVICES)
         for name in ("batch_size", "check_batch_size", "timing_batch_size", "timing_repeats", "dsr_reallocate"):
             check_batch_sizes(name, [getattr(self, name)])
@@ -206,8 +186,7 @@ class SparsityParams:
                 raise ParamError(f"{name} must include 0 (dense), the reference of every ratio; got {getattr(self, name)}")
         if not self.formats or not all(isinstance(f, list) and len(f) == 2 and f[0] in (2, 4) and f[1] in (2, 4) for f in self.formats):
             raise ParamError(f"formats must be [value_bytes, index_bytes] pairs, each 4 or 2, got {self.formats!r}")
-        if not self.train_seeds or not all(isinstance(x, int) for x in self.train_seeds):
-            raise ParamError(f"train_seeds must be a non-empty list of integers, got {self.train_seeds!r}")
+        check_seeds("train_seeds", self.train_seeds)
 
 
 PROXY_FIELDS = ("model", "epochs", "train_subset")  # what a proxy may change of the baseline block

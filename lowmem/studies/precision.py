@@ -128,8 +128,8 @@ def verified(p: PrecisionParams) -> pd.DataFrame:
 
 # Stage precision_train is left out of `make repro` (bf16 steps are emulated, about 30 times slower, on a CPU without
 # AVX-512's bf16 or AMX): it trains the runs and measures the step times and the check once, into committed files.
-COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage precision --params "
-           "data/params/precision.yaml --out metrics/precision_train.json && python -m lowmem.studies.precision "
+COMMAND = ("python -m lowmem.pipeline params && python -m lowmem.pipeline train precision --params "
+           "data/params/precision.yaml --out metrics/precision_train.json && python -m lowmem.pipeline precision "
            "--params data/params/precision.yaml --out metrics/precision_timing.json")
 
 
@@ -167,15 +167,16 @@ def timing(p: PrecisionParams, path: str | Path) -> tuple[pd.DataFrame, pd.DataF
     return pd.DataFrame(r["times"]).assign(machine=r["machine"]), pd.DataFrame(r["checks"])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Step times of each trained precision mode and the accounted-vs-measured check")
-    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.pipeline.stage_params)")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--params", type=Path, required=True, help="the stage's resolved parameters (python -m lowmem.pipeline params)")
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         p = PrecisionParams(**yaml.safe_load(args.params.read_text()))
     except (ParamError, TypeError) as e:
-        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline.stage_params", file=sys.stderr)
+        print(f"error: {args.params}: {e}; regenerate it with python -m lowmem.pipeline params", file=sys.stderr)
         return 2
     runs.write_json(args.out, measure(p))
     return 0
@@ -303,7 +304,3 @@ def metrics(p: PrecisionParams, base: BaselineParams, mem: pd.DataFrame, runs: p
                              "check_gap_pct": round(float(r.check_gap_pct), 3)}
                     for r in acc.itertuples()},
     }
-
-
-if __name__ == "__main__":
-    sys.exit(main())

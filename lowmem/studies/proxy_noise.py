@@ -8,7 +8,7 @@ of the mean of n pairs has the half-width t(n-1) · √2 · sd / √n. Beside it
 (``quality.per_example``) sees only the test split's sampling; how often it misses the zero difference between two
 seeds of one configuration shows how much of the noise is training's.
 
-    python -m lowmem.pipeline.train_stage proxy_noise --params data/params/proxy_noise.yaml --out metrics/proxy_noise_train.json
+    python -m lowmem.pipeline train proxy_noise --params data/params/proxy_noise.yaml --out metrics/proxy_noise_train.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.train import Techniques
 
 # What reruns the frozen stage (docs/pipeline.md, "Left out of the default pipeline").
-COMMAND = ("python -m lowmem.pipeline.stage_params && python -m lowmem.pipeline.train_stage proxy_noise "
+COMMAND = ("python -m lowmem.pipeline params && python -m lowmem.pipeline train proxy_noise "
            "--params data/params/proxy_noise.yaml --out metrics/proxy_noise_train.json")
 SEEDS_SHOWN = (2, 3, 5, 8, 12, 20)  # seed counts of the half-width table
 

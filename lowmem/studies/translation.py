@@ -8,7 +8,7 @@ Trained runs are evaluated on their last checkpoint without averaging, as a DSR 
 averaged (its sparse patterns move). The captions, figures, tables and metrics of notebook 08 are at the end
 (``results`` reads the training stage's result, or runs it where a notebook opens before ``dvc repro``).
 
-    python -m lowmem.studies.translation train --params data/params/translation_techniques.yaml --metrics FILE [--only NAME ...]
+    python -m lowmem.pipeline translation train --params data/params/translation_techniques.yaml --metrics FILE [--only NAME ...]
 
 ``--only`` trains and times the named techniques and the baseline into a metrics file of their own, with their
 full-size memory (stages translation_levers_train, translation_activations_train and translation_kahan_train, the
@@ -331,16 +331,17 @@ def metrics(p: TranslationTechniquesParams, mem: pd.DataFrame, t: Trained) -> di
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("step", choices=("train",))
-    ap.add_argument("--params", type=Path, required=True, help="resolved parameters (python -m lowmem.dynamicconv.params translation_techniques)")
+    ap.add_argument("--params", type=Path, required=True, help="resolved parameters (python -m lowmem.pipeline params)")
     ap.add_argument("--data-dir", type=Path, default=translation.DATA)
     ap.add_argument("--metrics", type=Path, required=True, help="write the runs' BLEU and step times here as JSON")
     ap.add_argument("--results", type=Path, help="a copy of the metrics, kept in the DVC cache (dvc.yaml)")
     ap.add_argument("--only", nargs="+", metavar="NAME", help="train and time these techniques and the baseline only "
                     "(a study of its own, written to --metrics)")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         p = load("translation_techniques", args.params)
         if args.only:
@@ -354,7 +355,3 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         runs.write_json(args.results, result)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

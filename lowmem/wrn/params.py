@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lowmem.config import DEVICES, PROFILES, ParamError, check_batch_sizes, check_choice, stage
+from lowmem.config import DEVICES, PROFILES, ParamError, check_batch_sizes, check_choice, check_seeds, stage
 from lowmem.wrn.data import DATASETS
 from lowmem.wrn.models import parse_model_name
 
@@ -50,8 +50,7 @@ class BaselineParams:
         check_model("model", self.model)
         check_choice("device", self.device, DEVICES)
         check_batch_sizes("batch_size", [self.batch_size])
-        if not isinstance(self.seeds, list) or not self.seeds or not all(isinstance(s, int) for s in self.seeds):
-            raise ParamError(f"seeds must be a non-empty list of integers, got {self.seeds!r}")
+        check_seeds("seeds", self.seeds)
         if not isinstance(self.epochs, int) or self.epochs <= 0:
             raise ParamError(f"epochs must be a positive integer, got {self.epochs!r}")
         if not isinstance(self.lr, (int, float)) or self.lr <= 0:
