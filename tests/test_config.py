@@ -6,6 +6,7 @@ import yaml
 from lowmem import config
 from lowmem.config import PROFILES, STAGES, ParamError, load, resolve
 from lowmem.dynamicconv import params as _dynamicconv_params  # noqa: F401  (registers the translation stages)
+from lowmem.pipeline import stage_params as _every_stage  # noqa: F401  (registers every stage, as the params stage does)
 from lowmem.pipeline.commands import main
 from lowmem.studies import params as _study_params  # noqa: F401  (registers the WRN stages)
 
@@ -55,12 +56,22 @@ def test_cli_stops_before_writing_anything(tmp_path: Path, capsys: pytest.Captur
 def test_one_resolver_serves_every_stage_of_both_tracks() -> None:
     assert set(STAGES) == {"memory_profile", "baseline", "checkpointing", "microbatching", "precision", "sparsity",
                            "translation_data", "translation_train", "translation_evaluate", "translation_memory",
-                           "translation_techniques", "proxy_noise", "planner", "sharding"}
+                           "translation_techniques", "proxy_noise", "planner", "sharding", "combinations_wrn",
+                           "combinations_dynamicconv"}
     cpu = {**PARAMS, "base": {**PARAMS["base"], "profile": "cpu"}}
     techniques = resolve("translation_techniques", cpu)
     # FROM: read from the translation_train block; INHERITS: the baseline block resolved whole.
     assert techniques["max_tokens"] == config.pick(PARAMS["translation_train"]["max_tokens"], "cpu")
-    assert resolve("sparsity", cpu)["train"] == resolve("baseline", cpu)
+    sparsity = resolve("sparsity", cpu)
+    assert sparsity["train"] == resolve("baseline", cpu)
+    # derived: the combination study's recipe, DSR schedule and shape are stage sparsity's; DynamicConv's runs are
+    # stage translation_techniques'.
+    wrn = resolve("combinations_wrn", cpu)
+    assert (wrn["task"], wrn["train"], wrn["dsr"]["dsr_periods"], wrn["wrn"]["model"]) == (
+        "wrn", sparsity["train"], sparsity["dsr_periods"], sparsity["model"])
+    assert resolve("combinations_dynamicconv", cpu)["translation"] == techniques
+    with pytest.raises(ParamError, match="combinations_wrn.task must be wrn"):
+        resolve("combinations_wrn", {**cpu, "combinations_wrn": {**PARAMS["combinations_wrn"], "task": "dynamicconv"}})
 
 
 def test_an_unknown_stage_lists_the_known_ones() -> None:
