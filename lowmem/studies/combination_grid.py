@@ -79,6 +79,9 @@ class CombinationsParams:
     def __post_init__(self) -> None:
         if self.task not in TASKS:
             raise ParamError(f"task={self.task!r} is not one of {', '.join(TASKS)}")
+        stage_task = type(self).__dataclass_fields__["task"].default  # a task's stage (combinations_<task>) fixes it
+        if type(self) is not CombinationsParams and self.task != stage_task:
+            raise ParamError(f"combinations_{stage_task}.task must be {stage_task}, got {self.task!r}")
         if self.profile not in PROFILES:
             raise ParamError(f"base.profile={self.profile!r} is not allowed; use one of: {', '.join(PROFILES)}")
         for name in dims(self.task):
@@ -169,11 +172,6 @@ class WrnCombinationsParams(CombinationsParams):
 
     task: str = "wrn"
 
-    def __post_init__(self) -> None:
-        if self.task != "wrn":
-            raise ParamError(f"combinations_wrn.task must be wrn, got {self.task!r}")
-        super().__post_init__()
-
     @staticmethod
     def derived(resolved: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
         sp = resolved("sparsity")
@@ -187,11 +185,6 @@ class DynamicConvCombinationsParams(CombinationsParams):
     """Block ``combinations_dynamicconv``; the runs' settings are stage translation_techniques' (``derived``)."""
 
     task: str = "dynamicconv"
-
-    def __post_init__(self) -> None:
-        if self.task != "dynamicconv":
-            raise ParamError(f"combinations_dynamicconv.task must be dynamicconv, got {self.task!r}")
-        super().__post_init__()
 
     @staticmethod
     def derived(resolved: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
