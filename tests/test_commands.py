@@ -4,6 +4,7 @@ code deps are its own command's, never every command's."""
 import ast
 import re
 import importlib
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,11 @@ def test_only_the_entry_points_build_an_argument_parser() -> None:
 def test_every_command_declares_its_options_and_runs(command: str) -> None:
     mod = importlib.import_module(f"lowmem.{commands.COMMANDS[command][0]}")
     assert callable(mod.add_arguments) and callable(mod.run)
+    # A study function of the same name would be shadowed by the command's (or shadow it): each defined once.
+    tree = ast.parse(Path(mod.__file__).read_text())
+    defined = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+    assert defined.count("run") == defined.count("add_arguments") == 1
+    assert list(inspect.signature(mod.run).parameters) == [next(iter(inspect.signature(mod.run).parameters))]
 
 
 def test_every_stage_runs_a_known_command() -> None:

@@ -144,7 +144,7 @@ def time_steps(p: TranslationTechniquesParams, data_dir: Path = translation.DATA
     return rows
 
 
-def run(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> dict[str, Any]:
+def train_and_time(p: TranslationTechniquesParams, data_dir: Path = translation.DATA) -> dict[str, Any]:
     """Training, scoring and timing at the active profile: what the stage translation_techniques_train records."""
     trained = train_all(p, data_dir)
     timing = time_steps(p, data_dir)
@@ -175,7 +175,7 @@ def run_only(p: TranslationTechniquesParams, only: list[str], data_dir: Path = t
     q = dataclasses.replace(p, trained=names, timed=names)
     mem = memory(dataclasses.replace(q, techniques={n: p.techniques[n] for n in names}))
     cols = [*(f"{c}_mib" for c in CATEGORIES), "total_mib", "peak_phase"]
-    return {**run(q, data_dir), "machine": quality.machine(),
+    return {**train_and_time(q, data_dir), "machine": quality.machine(),
             "memory": {r["technique"]: {c: r[c] for c in cols} for r in mem.to_dict("records")}}
 
 
@@ -198,7 +198,7 @@ def results(p: TranslationTechniquesParams, data_dir: str | Path, train_path: st
             data = TranslationDataParams(**resolve("translation_data", params))
             translation.prepare(data, data_dir)
             translation.binarize(data, data_dir)
-        runs.write_json(train_path, run(p, data_dir))
+        runs.write_json(train_path, train_and_time(p, data_dir))
     return Trained(json.loads(train_path.read_text()), json.loads((data_dir / "bin" / "corpus.json").read_text()))
 
 
@@ -347,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         if args.only:
             result = run_only(p, args.only, args.data_dir)
         else:
-            result = run(p, args.data_dir)
+            result = train_and_time(p, args.data_dir)
     except (ParamError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
