@@ -559,7 +559,7 @@ def test_run_only_trains_the_named_techniques_beside_the_baseline_and_says_on_wh
         return pd.DataFrame([{"technique": n, **{f"{c}_mib": 1.0 for c in CATEGORIES}, "total_mib": 5.0 * (i + 1),
                               "peak_phase": "backward"} for i, n in enumerate(q.techniques)])
 
-    monkeypatch.setattr(translation_study, "run", lambda q, data_dir: seen.append(q) or {"trained": []})
+    monkeypatch.setattr(translation_study, "train_and_time", lambda q, data_dir: seen.append(q) or {"trained": []})
     monkeypatch.setattr(translation_study, "memory", memory)
     out = translation_study.run_only(p, ["b"])
     assert seen[0].trained == seen[0].timed == ["baseline", "b"]
