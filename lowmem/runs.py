@@ -114,14 +114,25 @@ class _NormalizeModulePaths(ast.NodeTransformer):
         return node
 
 
+# A lever's card (lowmem.techniques.registry): its names, prose and where its evidence is. It computes nothing, so
+# renaming a lever in its card, or adding a card, retrains nothing; the functions and tables it names are code.
+CARDS = ("LEVER", "LEVERS")
+
+
+def _is_card(node: ast.AST) -> bool:
+    return isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) and t.id in CARDS for t in node.targets)
+
+
 def definitions(module: str) -> list[str]:
-    """The module's top-level statements as normalized ASTs, one string each: docstrings and ``lowmem`` imports
-    removed (lazy ones too), and lowmem module paths in strings blanked, so comments, formatting and the module a
-    definition lives in are gone."""
+    """The module's top-level statements as normalized ASTs, one string each: docstrings, lever cards and ``lowmem``
+    imports removed (lazy ones too), and lowmem module paths in strings blanked, so comments, formatting and the
+    module a definition lives in are gone."""
     tree = ast.parse(_module_file(module).read_text())
     tree = _NormalizeModulePaths().visit(_DropInternalImports().visit(_strip_docstrings(tree)))
     out = []
     for node in tree.body:
+        if _is_card(node):
+            continue
         if isinstance(node, (ast.Import, ast.ImportFrom)):  # one entry per imported name: `from x import a, b` = a; b
             prefix = f"from {node.module} " if isinstance(node, ast.ImportFrom) else ""
             out += [f"{prefix}import {a.name} as {a.asname or a.name}" for a in node.names]

@@ -2,13 +2,14 @@
 model builder, DSR, the sparse-method and norm registries), trained by the code of the checkout it runs in.
 
     git worktree add /tmp/before <commit before the refactoring>
-    cd /tmp/before && PYTHONPATH=/tmp/before python /work/main/tests/make_refactor_reference.py OUT.json [--cpu DATA]
+    cd /tmp/before && PYTHONPATH=/tmp/before python /work/main/tests/make_refactor_reference.py OUT.json [--cpu DATA | --registry]
 
 tests/test_refactor_reproduces.py trains the same runs with today's code and asserts the same metrics, bit for bit.
 It reads both layouts (flat lowmem/ before the subpackages, and after). ``--cpu DATA`` trains the same levers at the
 cpu profile's size instead (params.yaml's baseline block: WRN-16-1, 10k/5k Fashion-MNIST, 3 epochs at batch 32;
 DATA is a data_root both checkouts share): run it in both checkouts on one machine and compare the two files (bits
-differ across CPUs, so a reference written elsewhere proves nothing).
+differ across CPUs, so a reference written elsewhere proves nothing). ``--registry`` trains the optimizer levers that
+the lever registry's change touched (``REGISTRY``) at the smoke size.
 """
 
 import json
@@ -33,6 +34,14 @@ CONFIGS = {
     "mb8-group": {"microbatch": 8, "norm": "group"},
     "mb8-renorm": {"microbatch": 8, "norm": "renorm"},
 }
+# The lever registry (lowmem.techniques.registry): the WRN trainer takes its optimizer from the lever that declares it.
+REGISTRY = {
+    "baseline": {},
+    "optimi-sgd": {"optimizer": "optimi-sgd"},
+    "half-bf16+optimi-sgd": {"precision": "half-bf16", "optimizer": "optimi-sgd"},
+    "bnb-sgd8bit": {"optimizer": "bnb-sgd8bit"},
+    "activations-8": {"activation_bits": 8},
+}
 # The cpu profile's training size, as params.yaml's baseline block resolves it at cpu (one seed).
 CPU = {"dataset": "fashion-mnist", "augment": False, "model": "wrn-16-1", "epochs": 3, "batch_size": 32,
        "train_subset": 10000, "test_subset": 5000, "device": "cpu"}
@@ -40,10 +49,10 @@ CPU = {"dataset": "fashion-mnist", "augment": False, "model": "wrn-16-1", "epoch
 TIMING = ("images_per_s", "step_s", "epoch_s", "peak_mem_mib", "peak_mem_method")
 
 
-def histories(root: Path, base: dict = BASE) -> dict[str, list[dict]]:
+def histories(root: Path, base: dict = BASE, configs: dict = CONFIGS) -> dict[str, list[dict]]:
     p = BaselineParams(**base)
     out = {}
-    for name, tech in CONFIGS.items():
+    for name, tech in configs.items():
         rows = train(p, 0, Techniques(**tech), progress=False, root=root)
         out[name] = [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
     return out
@@ -51,5 +60,6 @@ def histories(root: Path, base: dict = BASE) -> dict[str, list[dict]]:
 
 if __name__ == "__main__":
     base = {**CPU, "data_root": sys.argv[3]} if sys.argv[2:3] == ["--cpu"] else BASE
+    configs = REGISTRY if sys.argv[2:3] == ["--registry"] else CONFIGS
     with tempfile.TemporaryDirectory() as tmp:
-        Path(sys.argv[1]).write_text(json.dumps(histories(Path(tmp), base), indent=1) + "\n")
+        Path(sys.argv[1]).write_text(json.dumps(histories(Path(tmp), base, configs), indent=1) + "\n")

@@ -1,8 +1,11 @@
 """The optimizer lever (lowmem.techniques.optimizers): torch-optimi's Kahan-compensated SGD keeps the small updates
 that bf16 weights round away, its state is counted at its real bytes, and bad names stop before any compute."""
 
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
 from torch import nn
 
 from lowmem.memory.accounting import profile_step
@@ -13,6 +16,7 @@ from lowmem.wrn.memory import Shape
 from lowmem.wrn.models import build_model
 
 BF16, F32 = 2, 4
+ROOT = Path(__file__).parents[1]
 
 
 def test_kahan_keeps_the_updates_that_bf16_rounds_away() -> None:
@@ -87,17 +91,20 @@ def test_the_levers_table_pairs_each_arm_by_seed_and_reduces_against_the_baselin
     res = {"profile": "cpu", "model": "m", "data": "d", "epochs": 1, "batch_size": 32, "seeds": [0, 1, 2],
            "arms": {a: {"per_seed_acc": acc[a], "step_s": [0.1, 0.1, 0.1],
                         "memory": {"optimizer_mib": 1.0, "total_mib": mem[a]}} for a in mem}}
-    t = levers.table(res, "kahan").set_index(["arm", "against"])
+    kahan = levers.studies(yaml.safe_load((ROOT / "params.yaml").read_text()))["kahan"]
+    t = levers.table(res, kahan).set_index(["arm", "against"])
     row = t.loc[("half-bf16+optimi-sgd", "half-bf16")]
     assert row.accuracy_change == pytest.approx((1 + 2 + 0) / 3)  # per seed: +1, +2, 0 points
     assert row.reduction == pytest.approx(100 / 52)
     assert t.loc[("half-bf16", "baseline")].low < t.loc[("half-bf16", "baseline")].accuracy_change
-    assert len(t) == len(levers.PAIRS["kahan"])
+    assert len(t) == len(kahan["pairs"]) == 5
 
 
 def test_the_levers_study_refuses_an_unknown_arm_before_any_training(tmp_path, capsys) -> None:
     from lowmem.pipeline import commands
 
     assert commands.main(["levers", "--metrics", str(tmp_path / "m.json"), "--only", "baseline", "nope"]) == 2
-    assert "--only: unknown arm(s) ['nope']; arms: baseline," in capsys.readouterr().err
+    assert "--only: arm 'nope': 'nope' is none of the levers' short names (" in capsys.readouterr().err
+    assert commands.main(["levers", "--metrics", str(tmp_path / "m.json"), "--only", "half-bf16+half-fp16"]) == 2
+    assert "sets precision twice" in capsys.readouterr().err
     assert not (tmp_path / "m.json").exists()

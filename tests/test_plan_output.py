@@ -127,7 +127,8 @@ def test_a_gpu_name_is_its_nvidia_smi_memory_less_what_was_measured_of_its_libra
 
 @pytest.mark.parametrize("argv,says", [
     (["--budget", "t5"], "nor a device: one of t4, l4"),
-    (["--budget", "1GiB", "--levers", "bf16", "--max-batch"], "'bf16' is not one of a precision"),
+    (["--budget", "1GiB", "--levers", "bf16", "--max-batch"], "'bf16' is none of the levers' short names"),
+    (["--budget", "1GiB", "--levers", "half-bf16+optimi-sgd", "--max-batch"], "not optimizer"),
     (["--budget", "1GiB", "--check", "--json"], "leave out --explain and --json"),
 ])
 def test_bad_plan_input_is_one_line_and_exit_2(argv, says, capsys):

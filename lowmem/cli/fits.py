@@ -9,9 +9,10 @@ from lowmem.cli.models import SpecError
 from lowmem.cli.plan import budget_bytes, followed
 from lowmem.cli.profile import Request
 from lowmem.memory import devices
-from lowmem.techniques import checkpoint, precision
+from lowmem.techniques import registry
 from lowmem.techniques.step import Techniques
 
+PLANNED = ("precision", "microbatch", "checkpoint", "activation_bits")  # the Techniques fields --levers may set
 MAX_BATCH_CAP = 2**16  # the batch search stops here: a batch that still fits is reported as "at least" this
 
 
@@ -32,29 +33,16 @@ def budget(text: str) -> tuple[int, tuple[str, ...]]:
 
 
 def parse_levers(text: str) -> Techniques:
-    """'mixed-bf16+microbatch-8+checkpoint-block+activations-8' (the plan's short names; 'plain' for none) as
-    Techniques."""
-    fields: dict[str, object] = {}
-    for name in [] if text == "plain" else text.split("+"):
-        kind, _, value = name.partition("-")
-        try:
-            if name in precision.MODES:
-                fields["precision"] = name
-            elif kind == "microbatch" and value.isdigit() and int(value) > 0:
-                fields["microbatch"] = int(value)
-            elif kind == "activations" and value.isdigit():
-                fields["activation_bits"] = int(value)
-            elif kind == "checkpoint":
-                checkpoint.parse(value)
-                fields["checkpoint"] = value
-            else:
-                raise ValueError(name)
-            Techniques(**fields)  # type: ignore[arg-type]  # checks the value
-        except ValueError:
-            raise SpecError(f"--levers {text!r}: {name!r} is not one of a precision ({', '.join(precision.MODES)}), "
-                            "microbatch-N, checkpoint-STRATEGY (block, sqrt, every-K) or activations-BITS, joined by "
-                            "'+', or 'plain'") from None
-    return Techniques(**fields)  # type: ignore[arg-type]
+    """'mixed-bf16+microbatch-8+checkpoint-block+activations-8' (the levers' short names,
+    ``lowmem.techniques.registry.parse``; 'plain' for none) as Techniques."""
+    try:
+        fields = registry.parse(text)
+        other = sorted(set(fields) - set(PLANNED))
+        if other:  # the optimizer is --optimizer's, and sparsity is the model's own choice
+            raise ValueError(f"--max-batch plans {', '.join(PLANNED)} only, not {', '.join(other)}")
+        return Techniques(**fields)
+    except (TypeError, ValueError) as e:
+        raise SpecError(f"--levers {text!r}: {e}") from None
 
 
 def peak(req: Request, tech: Techniques = Techniques()) -> int:

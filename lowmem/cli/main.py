@@ -27,7 +27,7 @@ from lowmem.cli.profile import OPTIMIZERS, STEPS, Request, account, gap_notes, m
 from lowmem.cpu import cpu_class
 from lowmem.memory import devices
 from lowmem.memory.accounting import MIB
-from lowmem.techniques import optimizers, sharding
+from lowmem.techniques import registry, sharding
 from lowmem.techniques.step import Techniques
 
 
@@ -54,7 +54,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, help="token models: ids are drawn below this (fairseq: both dictionaries' size)")
     p.add_argument("--tokens", type=int, help="fairseq: tokens per batch (--max-tokens); default batch x length")
     p.add_argument("--optimizer", default="sgd-momentum",
-                   help=f"one of {', '.join([*OPTIMIZERS, *optimizers.OPTIMIZERS[1:]])} (fairseq: sgd, sgd-momentum, adam, adafactor)")
+                   help=f"one of {', '.join([*OPTIMIZERS, *registry.optimizers()[1:]])} (fairseq: sgd, sgd-momentum, adam, adafactor)")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="hf: a config key overridden, e.g. num_hidden_layers=4 (repeat for more)")
     p.add_argument("--head", choices=list(hf.HEADS), help="hf: the head and its loss (default: seq2seq-lm for an "

@@ -25,13 +25,13 @@ from lowmem.cli.scalars import HostScalars, has_values
 from lowmem.memory.accounting import MemoryReport, account_step
 from lowmem.memory.ledger import Workspace
 from lowmem.memory.measure import CPUWorkspace, measure_step
-from lowmem.techniques import fused_step, optimizers, precision, sharding
+from lowmem.techniques import fused_step, optimizers, precision, registry, sharding
 from lowmem.techniques.checkpoint import BlockCost, CheckpointedChain, Segment, block_costs, plan
 from lowmem.techniques.step import Techniques, train_step
 
 # The optimizers a step can take: torch's, with their usual hyperparameters (bytes do not depend on them),
-# bitsandbytes' AdamW with 8-bit moments, and the project's others (lowmem.techniques.optimizers: Kahan-compensated
-# SGD, 8-bit momentum).
+# bitsandbytes' AdamW with 8-bit moments, and each optimizer lever's (lowmem.techniques.registry: Kahan-compensated
+# SGD, 8-bit momentum, ...).
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -69,7 +69,7 @@ class Request:
 
     def __post_init__(self) -> None:
         spec = models.parse(self.model)
-        allowed = FAIRSEQ_OPTIMIZERS if spec.kind == "fairseq" else {**OPTIMIZERS, **dict.fromkeys(optimizers.OPTIMIZERS[1:])}
+        allowed = FAIRSEQ_OPTIMIZERS if spec.kind == "fairseq" else {**OPTIMIZERS, **dict.fromkeys(registry.optimizers()[1:])}
         if self.optimizer not in allowed:
             raise SpecError(f"optimizer {self.optimizer!r} is not one of {', '.join(allowed)}"
                             f"{' (for a fairseq model)' if spec.kind == 'fairseq' else ''}")
@@ -143,7 +143,7 @@ def make_optimizer(name: str, model: nn.Module, shard: sharding.Sharding = shard
     def make(params: Any) -> torch.optim.Optimizer:
         if name in OPTIMIZERS:
             return OPTIMIZERS[name](params)
-        return optimizers.make(params, name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
+        return registry.make_optimizer(params, name, lr=0.1, momentum=0.9, nesterov=False, weight_decay=0.0)
 
     if fused:  # Request refuses the fused step over several devices
         return fused_step.FusedOptimizer(model.parameters(), make)

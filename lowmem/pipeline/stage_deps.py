@@ -7,6 +7,7 @@ What a stage runs is found from its command, in every way code gets in:
 - ``papermill notebooks/N.ipynb``: the ``lowmem`` imports of the notebook's code cells;
 - fairseq's ``--user-dir``: the plugin package, when ``lowmem.dynamicconv.plugin`` is imported (its folder and the
   plugin's module are both deps);
+- the lever registry (``lowmem.techniques.registry``), which imports every module of its package;
 - a worker started as ``-m lowmem.X`` by a module (torchrun's workers, ``lowmem.studies.shard_run``): a string
   constant that names a ``lowmem`` module counts as an import;
 - data files that a module reads next to its code (``paper_reference.yaml``).
@@ -34,6 +35,7 @@ from lowmem.pipeline.commands import COMMANDS
 
 ROOT = runs.PACKAGE.parent
 PLUGIN = "lowmem.dynamicconv.plugin"
+REGISTRY = "lowmem.techniques.registry"
 USER_DIR = "lowmem/fairseq_user_dir"
 # Files read next to a module's code (not imported): a module that reads one makes it a dep.
 DATA_FILES = {"lowmem.studies.frontier": ["lowmem/studies/paper_reference.yaml"],
@@ -93,8 +95,16 @@ def _closure(modules: frozenset[str]) -> frozenset[str]:
         m = todo.pop()
         if m not in seen:
             seen.add(m)
-            todo.extend((_imports(m) | started_modules(m)) - seen)
+            todo.extend((_imports(m) | started_modules(m) | registered(m)) - seen)
     return frozenset(seen)
+
+
+def registered(module: str) -> frozenset[str]:
+    """The lever registry imports every module of its package to read their cards (``lowmem.techniques.registry``)."""
+    if module != REGISTRY:
+        return frozenset()
+    package = runs._module_file(module).parent
+    return frozenset(f"lowmem.techniques.{f.stem}" for f in package.glob("*.py") if f.stem != "__init__")
 
 
 _imports = functools.lru_cache(maxsize=None)(runs.imports_of)

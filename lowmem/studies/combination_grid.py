@@ -25,7 +25,7 @@ from lowmem.dynamicconv.params import TranslationTechniquesParams
 from lowmem.studies import params as _study_params  # noqa: F401  (registers stage sparsity, which ``derived`` reads)
 from lowmem.studies.quality_model import (BEYOND_PAPER_DYNAMICCONV, EXACT, KAHAN_PRECISIONS_WRN, LEVERS_STAGES, dims,
                                           techniques_config)
-from lowmem.techniques import compress, optimizers, precision
+from lowmem.techniques import compress, precision, registry
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.train import Techniques
 
@@ -145,7 +145,7 @@ class CombinationsParams:
                                  f"settings ({', '.join(BEYOND_PAPER_DYNAMICCONV)}); remove the optimizer list")
             return
         kahan = {f["optimizer"] for f in KAHAN_PRECISIONS_WRN.values()}  # a precision setting's, not a lever of its own
-        allowed = [o for o in optimizers.OPTIMIZERS if o not in kahan]
+        allowed = [o for o in registry.optimizers() if o not in kahan]
         for o in self.optimizer:
             if o not in allowed:
                 hint = (" (Kahan's optimi-sgd is the precision setting " + ", ".join(KAHAN_PRECISIONS_WRN) + ")"
@@ -153,7 +153,7 @@ class CombinationsParams:
                 raise ParamError(f"combinations_wrn.optimizer: {o!r} is not allowed; use one of {', '.join(allowed)}{hint}")
         for o in {*self.optimizer, *(f["optimizer"] for m, f in KAHAN_PRECISIONS_WRN.items() if m in self.precision)}:
             try:
-                optimizers.check(o)  # a missing library stops here, before the sweep's hour of accounting
+                registry.check_optimizer(o)  # a missing library stops here, before the sweep's hour of accounting
             except ValueError as e:
                 raise ParamError(f"combinations_wrn: {e}") from None
         for m in self.precision:

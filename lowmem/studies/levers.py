@@ -1,7 +1,10 @@
 """Levers beyond the paper, trained on the combination study's proxy and seeds, each paired with the arms it changes.
 
-Two studies, every arm on ``combinations_wrn.train_seeds`` with the training block of ``combinations_wrn`` (so the
-baseline and the paper's arms are the combination study's own runs, from the run store where they have run):
+Every arm on ``combinations_wrn.train_seeds`` with the training block of ``combinations_wrn`` (so the baseline and
+the paper's arms are the combination study's own runs, from the run store where they have run). An arm is named by
+its levers' short names joined by '+' (``lowmem.techniques.registry.parse``: ``half-bf16+optimi-sgd``,
+``microbatch-8+checkpoint-block+activations-2``; ``baseline`` is the recipe), so any lever the registry holds can be
+trained without code here. The studies (params.yaml's ``levers.studies``) pair the arms:
 
 - ``kahan``: 16-bit weights with a Kahan-compensated update (torch-optimi's SGD, ``lowmem.techniques.optimizers``):
   ``half-bf16`` (every tensor in bf16, the recipe's SGD, which rounds small updates away), ``optimi-sgd`` (fp32 with
@@ -17,12 +20,13 @@ baseline and against the arm it adds one lever to, which separates that lever's 
 size (WRN-28-2 at B = 128, ``combinations_wrn.wrn``). The frontier (``lowmem.studies.frontier``) takes the arms with
 a lever beyond the paper into the headline's rows "the paper's and beyond".
 
-    python -m lowmem.pipeline levers --metrics metrics/levers_train.json --tables figures [--only ARM ...]
+    python -m lowmem.pipeline levers --metrics metrics/levers_train.json --tables figures --only ARM ...
 
-``--only`` trains the named arms alone, into a metrics file of their own: arms are paired only within one file,
-since the same seed gives other accuracies on another CPU (oneDNN picks other kernels). ``machine`` is the CPU that
-ran the command; runs it takes from the run store keep their own numbers, and run keys leave the machine out, so a
-study is trained through an empty store on one machine (as levers_state_train was). A study's table is written where its file has all of its arms. Stage levers_state_train:
+The arms of ``--only`` are trained into a metrics file of their own: arms are paired only within one file, since
+the same seed gives other accuracies on another CPU (oneDNN picks other kernels). ``machine`` is the CPU that ran
+the command; runs it takes from the run store keep their own numbers, and run keys leave the machine out, so a study
+is trained through an empty store on one machine (as levers_state_train was). A study's table is written where its
+file has all of its arms. Stage levers_state_train:
 
     python -m lowmem.pipeline levers --metrics metrics/levers_state_train.json --tables figures --only baseline \
         optimi-sgd microbatch-8+checkpoint-block bnb-sgd8bit microbatch-8+checkpoint-block+bnb-sgd8bit
@@ -46,57 +50,44 @@ from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
 from lowmem.studies.combination_grid import CombinationsParams, wrn_shape
 from lowmem.studies.quality_model import arm_change as change
+from lowmem.techniques import registry
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.params import BaselineParams
 from lowmem.wrn.train import store_run, train
 
 MIB = 2**20
-HEADLINE_PAPER = Techniques(microbatch=8, checkpoint="block")  # the paper's levers that the headline's rules pick at cpu
-ARMS = {"baseline": Techniques(),
-        **{f"activations-{b}": Techniques(activation_bits=b) for b in (8, 4, 2)},
-        "microbatch-8+checkpoint-block": HEADLINE_PAPER,
-        **{f"microbatch-8+checkpoint-block+activations-{b}": Techniques(microbatch=8, checkpoint="block", activation_bits=b)
-           for b in (8, 2)},
-        "half-bf16": Techniques(precision="half-bf16"),
-        "optimi-sgd": Techniques(optimizer="optimi-sgd"),
-        "half-bf16+optimi-sgd": Techniques(precision="half-bf16", optimizer="optimi-sgd"),
-        "bnb-sgd8bit": Techniques(optimizer="bnb-sgd8bit"),
-        "microbatch-8+checkpoint-block+bnb-sgd8bit": Techniques(microbatch=8, checkpoint="block", optimizer="bnb-sgd8bit")}
-# Per study, (arm, against): what each comparison isolates.
-PAIRS = {
-    "kahan": {("half-bf16", "baseline"): "the paper's 16-bit weights",
-              ("optimi-sgd", "baseline"): "torch-optimi's SGD without Nesterov, fp32",
-              ("half-bf16+optimi-sgd", "baseline"): "16-bit weights with Kahan summation, all told",
-              ("half-bf16+optimi-sgd", "optimi-sgd"): "Kahan bf16 against the same optimizer in fp32",
-              ("half-bf16+optimi-sgd", "half-bf16"): "Kahan bf16 against plain bf16"},
-    "activations": {
-        **{(f"activations-{b}", "baseline"): f"activations saved at {b} bits, alone" for b in (8, 4, 2)},
-        ("microbatch-8+checkpoint-block", "baseline"): "the paper's levers of the headline (checkpointing exact)",
-        **{(f"microbatch-8+checkpoint-block+activations-{b}", "baseline"): f"{b}-bit activations on top, all told"
-           for b in (8, 2)},
-        **{(f"microbatch-8+checkpoint-block+activations-{b}", "microbatch-8+checkpoint-block"): f"{b}-bit activations on top, alone"
-           for b in (8, 2)}},
-    "state": {("bnb-sgd8bit", "optimi-sgd"): "8-bit momentum against the same heavy-ball SGD in fp32",
-              ("bnb-sgd8bit", "baseline"): "8-bit momentum without Nesterov, all told",
-              ("microbatch-8+checkpoint-block+bnb-sgd8bit", "microbatch-8+checkpoint-block"):
-                  "8-bit momentum without Nesterov on top of the headline's paper levers",
-              ("microbatch-8+checkpoint-block+bnb-sgd8bit", "baseline"): "8-bit momentum on top, all told"},
-}
-STUDY_CATEGORY = {"kahan": "optimizer", "activations": "activations", "state": "optimizer"}  # the bytes each changes
+
+
+def arm(name: str) -> Techniques:
+    """An arm is named by its levers' short names joined by '+' (``lowmem.techniques.registry.parse``):
+    ``half-bf16+optimi-sgd``, ``microbatch-8+checkpoint-block+activations-2``; ``baseline`` is the recipe."""
+    return Techniques(**registry.parse(name))
+
+
+def studies(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """params.yaml's ``levers.studies``: per study, the bytes its table shows (``category``) and its comparisons,
+    ``(arm, against): what it isolates``."""
+    out = {}
+    for name, study in params["levers"]["studies"].items():
+        pairs = {(a, against): what for a, against, what in study["pairs"]}
+        for a in {x for pair in pairs for x in pair}:
+            arm(a)  # a misspelt arm stops here, before any training
+        out[name] = {"category": study["category"], "pairs": pairs}
+    return out
+
+
 def memory(p: CombinationsParams, tech: Techniques) -> dict[str, Any]:
     """The accounted peak of one full-size step under ``tech``, by category at the peak, in MiB."""
     r = wrn_memory.account(tech, wrn_shape(p), p.seed)
     return {f"{c}_mib": r.at_peak[c] / MIB for c in CATEGORIES} | {"total_mib": r.peak / MIB}
 
 
-def train_arms(p: CombinationsParams, progress: bool = True, only: list[str] | None = None) -> dict[str, Any]:
-    """Every arm (or those named in ``only``) on every seed (through the run store), with its accounted memory."""
+def train_arms(p: CombinationsParams, names: list[str], progress: bool = True) -> dict[str, Any]:
+    """Every arm named on every seed (through the run store), with its accounted memory."""
     base = BaselineParams(**p.train)
     arms = {}
-    for name, tech in ARMS.items():
-        if only is not None and name not in only:
-            continue
+    for name, tech in ((n, arm(n)) for n in names):
         print(f"== {name}", flush=True)
         store = [store_run(base, s, tech) for s in p.train_seeds]
         fresh = [r.result() is None for r in store]
@@ -109,16 +100,17 @@ def train_arms(p: CombinationsParams, progress: bool = True, only: list[str] | N
             "batch_size": base.batch_size, "seeds": list(p.train_seeds), "arms": arms}
 
 
-def table(res: dict[str, Any], study: str) -> pd.DataFrame:
-    """Each comparison of ``PAIRS[study]``: the paired accuracy change (points) with its 95% interval, and the
-    accounted memory of the arm and its reduction against the baseline (WRN-28-2 at full size)."""
+def table(res: dict[str, Any], study: dict[str, Any]) -> pd.DataFrame:
+    """Each comparison of the ``study`` (an entry of ``studies``): the paired accuracy change (points) with its 95%
+    interval, and the accounted memory of the arm and its reduction against the baseline (WRN-28-2 at full size)."""
     arms, base_mib = res["arms"], res["arms"]["baseline"]["memory"]["total_mib"]
+    category = study["category"]
     rows = []
-    for (arm, against), what in PAIRS[study].items():
+    for (arm, against), what in study["pairs"].items():
         c = change(res, arm, against)
         m = arms[arm]["memory"]
         rows.append({"arm": arm, "against": against, "isolates": what, "accuracy_change": c.mean, "low": c.low,
-                     "high": c.high, "seeds": c.n, f"{STUDY_CATEGORY[study]}_mib": m[f"{STUDY_CATEGORY[study]}_mib"],
+                     "high": c.high, "seeds": c.n, f"{category}_mib": m[f"{category}_mib"],
                      "total_mib": m["total_mib"],
                      "reduction": base_mib / m["total_mib"],
                      "time_ratio": statistics.median(arms[arm]["step_s"]) / statistics.median(arms[against]["step_s"])})
@@ -134,28 +126,34 @@ def caption(res: dict[str, Any]) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="the profile's combinations_wrn block is read")
+    ap.add_argument("--params", type=Path, default=Path("params.yaml"), help="its combinations_wrn and levers blocks are read")
     ap.add_argument("--data-root", default="data/raw", help="image datasets (Fashion-MNIST at the cpu profile)")
     ap.add_argument("--metrics", type=Path, required=True, help="write every arm's per-seed accuracy and memory here")
-    ap.add_argument("--tables", type=Path, help="also write each study's paired comparisons as Markdown into this folder "
-                    "(11_levers_<study>.md)")
-    ap.add_argument("--only", nargs="+", metavar="ARM", help=f"train these arms only (a study of its own, written to "
-                    f"--metrics; pair arms only within one file: one machine, one run store); arms: {', '.join(ARMS)}")
+    ap.add_argument("--tables", type=Path, help="also write each study of levers.studies whose arms were all trained, "
+                    "as Markdown into this folder (11_levers_<study>.md)")
+    ap.add_argument("--only", nargs="+", metavar="ARM", required=True,
+                    help="the arms to train, each named by its levers' short names joined by '+' (baseline, half-bf16, "
+                    "half-bf16+optimi-sgd, microbatch-8+checkpoint-block, ...): a study of their own, written to "
+                    "--metrics (pair arms only within one file: one machine, one run store)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        unknown = sorted(set(args.only or ()) - set(ARMS))
-        if unknown:
-            raise ValueError(f"--only: unknown arm(s) {unknown}; arms: {', '.join(ARMS)}")
-        p = config.load("combinations_wrn", yaml.safe_load(args.params.read_text()))
+        params = yaml.safe_load(args.params.read_text())
+        for name in args.only:
+            try:
+                arm(name)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"--only: arm {name!r}: {e}") from None
+        found = studies(params)
+        p = config.load("combinations_wrn", params)
         p.train["data_root"] = args.data_root
-        res = train_arms(p, only=args.only)
+        res = train_arms(p, args.only)
     except (ParamError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runs.write_json(args.metrics, res)
-    for study in PAIRS if args.tables else ():
-        if all(a in res["arms"] for pair in PAIRS[study] for a in pair):
-            (args.tables / f"11_levers_{study}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
+    for name, study in found.items() if args.tables else ():
+        if all(a in res["arms"] for pair in study["pairs"] for a in pair):
+            (args.tables / f"11_levers_{name}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
     return 0

@@ -35,6 +35,22 @@ from torch.utils.flop_counter import FlopCounterMode
 from lowmem.memory.ledger import forward_saved_bytes, recomputing
 
 STRATEGIES = ("none", "block", "every-K", "sqrt", "selective", "optimal-B")  # as written in a spec
+
+LEVER = dict(  # lowmem.techniques.registry
+    name="checkpointing",
+    what="segments of the model's chains of blocks recomputed in backward instead of saving their activations",
+    settings=STRATEGIES,
+    field="checkpoint",
+    short="checkpoint-STRATEGY",
+    wrn="Techniques(checkpoint=STRATEGY): torch.utils.checkpoint over the planned segments",
+    fairseq="--checkpoint-activations (fairseq's transformer; the plugin adds it to lightconv)",
+    any_model="lowmem plan's checkpoint column: the DP planner's placement for the budget",
+    accounted="the step accounted with checkpoint's hooks: a segment's inputs saved, its inside recomputed",
+    exact="bit-exact",
+    proof="tests/test_checkpoint.py::test_checkpointing_is_bit_equal_in_every_precision_and_with_sparse_layers",
+    quality="",
+)
+
 Segment = tuple[int, int, bool]  # blocks [start, end), recomputed or not
 
 

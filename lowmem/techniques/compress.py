@@ -43,6 +43,22 @@ import torch.nn.functional as F
 from lowmem.memory.accounting import saved
 
 BITS = (2, 4, 8, 16)  # what activation_bits may be, besides 0 (off)
+
+LEVER = dict(  # lowmem.techniques.registry
+    name="activation-bits",
+    what="each saved activation packed to a few bits per element in groups with their own range, unpacked in backward",
+    settings=(0, *BITS),
+    field="activation_bits",
+    short="activations-BITS",
+    wrn="Techniques(activation_bits=B): torch.autograd.graph.saved_tensors_hooks around the forward",
+    fairseq="the plugin's --activation-bits B",
+    any_model="lowmem plan's activation-bits column (0, 8, 2), and --levers with --max-batch",
+    accounted="the packed bytes counted as activations, the full-precision tensor freed as in the plain step",
+    exact="lossy",
+    proof="tests/test_compress.py::test_weight_gradient_error_within_the_quantization_bound",
+    quality="metrics/levers_train.json",
+)
+
 GROUP = 256  # elements per (minimum, step) pair: 8 bytes of fp32 per 256 elements, 1/32 bit per element at 8 bits
 
 

@@ -34,6 +34,22 @@ from torch import nn
 from lowmem.memory.accounting import gradient_ready
 
 
+LEVER = dict(  # lowmem.techniques.registry
+    name="fused-step",
+    what="each parameter steps, and its gradient is freed, as soon as its gradient is complete",
+    settings=("plain", "fused"),
+    field="",
+    short="",
+    wrn="not a Techniques field: the WRN studies step after backward (the recipe's loss scaler needs every gradient)",
+    fairseq="not applied: fairseq-train steps after backward",
+    any_model="lowmem profile/plan --step fused (whole batch, fp32, one device)",
+    accounted="the step accounted with the hooks: one parameter's gradient alive at a time",
+    exact="bit-exact",
+    proof="tests/test_fused_step.py::test_parameters_equal_plain_sgd_bit_for_bit_after_many_steps_under_a_schedule",
+    quality="",
+)
+
+
 def check(microbatch: int, precision: str) -> None:
     """Raises ValueError where the fused step cannot give the plain step's update."""
     if microbatch:

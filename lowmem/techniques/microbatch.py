@@ -75,6 +75,21 @@ def _batch_renorm(bn: nn.BatchNorm2d, name: str, groups: int) -> nn.Module:
     return BatchRenorm2d(bn.num_features, eps=bn.eps, momentum=bn.momentum)
 
 
+LEVER = dict(  # lowmem.techniques.registry
+    name="microbatching",
+    what="the batch run as microbatches whose gradients accumulate: activations of one microbatch at a time",
+    settings=(0, "examples per microbatch, dividing the batch"),
+    field="microbatch",
+    short="microbatch-N",
+    wrn="Techniques(microbatch=M, norm=batch|group|renorm): BatchNorm then normalizes each microbatch on its own",
+    fairseq="fairseq's --update-freq K with --max-tokens T/K, or the plugin's exact --microbatches K",
+    any_model="lowmem plan's microbatch column: the largest microbatch that fits, by bisection",
+    accounted="the step accounted at the microbatch's size; gradients and state at the model's",
+    exact="exact up to summation order",
+    proof="tests/test_microbatch.py::test_microbatched_gradients_equal_the_full_batch_without_batchnorm",
+    quality="metrics/microbatching_train.json",
+)
+
 # The normalizations, by name: what replaces a BatchNorm2d (None: it stays). Group and renorm are the remedies for
 # BatchNorm over small microbatches; GroupNorm makes microbatching exact.
 NORM_LAYERS: dict[str, Callable[[nn.BatchNorm2d, str, int], nn.Module] | None] = {

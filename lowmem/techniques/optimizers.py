@@ -44,6 +44,37 @@ BLOCK = 256  # elements per absmax of bitsandbytes' block-wise 8-bit state (fixe
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 state (their share of the bytes is small)
 _LIBRARIES = {"optimi-sgd": ("optimi", "torch-optimi"), "bnb-sgd8bit": ("bitsandbytes", "bitsandbytes")}
 
+LEVERS = (  # lowmem.techniques.registry
+    dict(
+        name="kahan",
+        what="16-bit weights updated with Kahan summation: a 16-bit buffer keeps what each update lost to rounding",
+        settings=("optimi-sgd",),
+        field="optimizer",
+        short="",
+        wrn="Techniques(optimizer=optimi-sgd): torch-optimi's SGD (heavy-ball; in fp32, the control arm)",
+        fairseq="the plugin's --optimizer lowmem_adamw_kahan (torch-optimi's AdamW) under --precision half-bf16",
+        any_model="lowmem plan --optimizer-state kahan (sgd-momentum under half-bf16)",
+        accounted="the compensation buffer, in the weights' dtype, counted as optimizer state",
+        exact="lossy",
+        proof="tests/test_optimizers.py::test_kahan_keeps_the_updates_that_bf16_rounds_away",
+        quality="metrics/levers_train.json",
+    ),
+    dict(
+        name="8-bit-state",
+        what="the optimizer's state stored block-wise in 8 bits (bitsandbytes), dequantized for each step",
+        settings=("bnb-sgd8bit",),
+        field="optimizer",
+        short="",
+        wrn="Techniques(optimizer=bnb-sgd8bit): bitsandbytes' SGD8bit (heavy-ball momentum in 8 bits)",
+        fairseq="the plugin's --optimizer lowmem_adamw8bit (bitsandbytes' AdamW8bit: both moments in 8 bits)",
+        any_model="lowmem plan --optimizer-state 8-bit (sgd-momentum, adamw); lowmem profile --optimizer adamw-8bit",
+        accounted="one uint8 code per element, an fp32 maximum per block of 256 and the 256-entry code book",
+        exact="lossy",
+        proof="tests/test_optimizer_state.py::test_each_step_is_the_fp32_update_of_the_dequantized_momentum_and_stores_it_within_half_a_code",
+        quality="metrics/levers_state_train.json",
+    ),
+)
+
 
 def check(name: str) -> None:
     """Raises ValueError for an unknown optimizer, and for optimi-sgd where torch-optimi is not installed."""

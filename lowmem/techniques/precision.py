@@ -30,6 +30,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 FORMATS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODES = ("fp32", "mixed-bf16", "mixed-fp16", "half-bf16", "half-fp16")
 
+LEVER = dict(  # lowmem.techniques.registry
+    name="precision",
+    what="which training tensors are stored in 16 bits: activations (mixed) or everything (half)",
+    settings=MODES,
+    field="precision",
+    short="",
+    wrn="Techniques(precision=MODE): torch.autocast for mixed, the model cast for half, with the loss scaler",
+    fairseq="the plugin's --precision mixed-bf16|half-bf16 (fairseq 0.12 trains 16-bit on CUDA only, with --fp16)",
+    any_model="lowmem plan's precision column (fp32, mixed-bf16, half-bf16), and --levers with --max-batch",
+    accounted="each tensor at its dtype's bytes, autocast's 16-bit weight copies included",
+    exact="lossy",
+    proof="tests/test_precision.py::test_16bit_training_of_a_small_problem_reaches_fp32s_loss",
+    quality="metrics/precision_train.json",
+)
+
 
 @dataclass(frozen=True)
 class Precision:

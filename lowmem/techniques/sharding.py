@@ -46,6 +46,21 @@ MODES = {
 }
 FSDP_MODES = ("gradients", "full")
 
+LEVER = dict(  # lowmem.techniques.registry
+    name="sharding",
+    what="the batch split over N devices, each keeping the model state its mode does not shard (DDP, ZeRO-1, FSDP2)",
+    settings=tuple(MODES),
+    field="",
+    short="",
+    wrn="studies.shard_run: WRN under torchrun on gloo, each mode by PyTorch's own wrapper (notebook 13)",
+    fairseq="not applied: fairseq's own --ddp-backend and --zero-sharding would need several processes per run here",
+    any_model="lowmem profile/plan --devices N --shard MODE, accounted per device on PyTorch's fake process group",
+    accounted="per device: its share of the batch, and of the weights, gradients and state its mode shards",
+    exact="exact up to summation order",
+    proof="tests/test_notebook_metrics.py::test_13_sharding_reports_per_device_peaks_that_fall_with_devices_and_a_step_equal_to_one_process",
+    quality="",
+)
+
 
 @dataclass(frozen=True)
 class Sharding:

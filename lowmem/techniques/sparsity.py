@@ -29,6 +29,21 @@ from torch import nn
 from lowmem.memory.ledger import StorageRecord
 from lowmem.techniques import optimizers
 
+LEVER = dict(  # lowmem.techniques.registry
+    name="sparsity",
+    what="the 3x3 convolutions' weights kept sparse, stored as CSR (values and indices), and rewired by DSR",
+    settings=(0.0, "a fraction in (0, 1)"),
+    field="sparsity",
+    short="sparsity-S",
+    wrn="Techniques(sparsity=S, sparse_method=dsr|static): each block's 3x3 convolution a SparseConv2d",
+    fairseq="the plugin's --sparsity S (--sparse-method, --dsr-periods, --dsr-reallocate): DynamicConv's linear layers",
+    any_model="not applied: which layers to sparsify, and how the model takes it, is the model's own choice",
+    accounted="the CSR bytes of each sparse layer (values, column indices, row pointers) in place of its dense weight",
+    exact="lossy",
+    proof="tests/test_sparsity.py::test_dsr_holds_the_sparsity_level_and_a_consistent_pattern_over_many_rewirings",
+    quality="metrics/sparsity.json",
+)
+
 INDEX_FORMATS = ("csr32", "csr16")  # CSR index width: 32-bit, or 16-bit in the layers where every index fits
 
 

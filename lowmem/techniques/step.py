@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowmem.techniques import checkpoint, compress, microbatch, optimizers, precision, sparsity
+from lowmem.techniques import checkpoint, compress, microbatch, precision, registry, sparsity
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Techniques:
     microbatch: int = 0  # examples per forward/backward pass, gradients accumulated over the batch; 0 = whole batch
     norm: str = "batch"  # normalization layers, see lowmem.techniques.microbatch: batch (per-microbatch statistics), group, renorm
     checkpoint: str = "none"  # gradient-checkpointing strategy, see lowmem.techniques.checkpoint: none, block, every-K, sqrt, ...
-    optimizer: str = "sgd"  # beyond the paper, see lowmem.techniques.optimizers: sgd (the recipe's), optimi-sgd (Kahan in 16-bit)
+    optimizer: str = "sgd"  # beyond the paper: sgd (the recipe's), or an optimizer lever's (lowmem.techniques.registry.optimizers())
     activation_bits: int = 0  # beyond the paper, see lowmem.techniques.compress: bits of each saved activation, 0 = as computed
 
     def __post_init__(self) -> None:
@@ -51,7 +51,7 @@ class Techniques:
             raise ValueError(f"microbatch must be an integer >= 0 (0 = no microbatching), got {self.microbatch!r}")
         if self.norm not in microbatch.NORMS:
             raise ValueError(f"norm={self.norm!r} is not one of {', '.join(microbatch.NORMS)}")
-        optimizers.check(self.optimizer)
+        registry.check_optimizer(self.optimizer)
         compress.check(self.activation_bits)
 
 

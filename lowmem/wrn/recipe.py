@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowmem.techniques import optimizers
+from lowmem.techniques import registry
 
 
 @dataclass(frozen=True)
@@ -19,5 +19,5 @@ class SGDRecipe:
 
 
 def make_optimizer(model: nn.Module, recipe: SGDRecipe = SGDRecipe(), name: str = "sgd") -> torch.optim.Optimizer:
-    """The recipe's optimizer, or another of ``lowmem.techniques.optimizers`` with the recipe's settings."""
-    return optimizers.make(model.parameters(), name, recipe.lr, recipe.momentum, recipe.nesterov, recipe.weight_decay)
+    """The recipe's optimizer, or an optimizer lever's (``lowmem.techniques.registry``) with the recipe's settings."""
+    return registry.make_optimizer(model.parameters(), name, recipe.lr, recipe.momentum, recipe.nesterov, recipe.weight_decay)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from lowmem import runs
 from lowmem.config import resolve_device
-from lowmem.techniques import precision, sparsity
+from lowmem.techniques import precision, registry, sparsity
 from lowmem.techniques.step import Techniques, train_step
 from lowmem.wrn.data import load, subset
 from lowmem.wrn.params import BaselineParams
@@ -123,7 +123,9 @@ def run_fields(p: BaselineParams, seed: int, tech: Techniques) -> dict[str, Any]
 
 
 def store_run(p: BaselineParams, seed: int, tech: Techniques = Techniques(), root: Path | None = None) -> runs.Run:
-    return runs.Run("wrn", run_fields(p, seed, tech), TRAIN_CODE, root)
+    # A lever added after the trainer (lowmem.techniques.registry) is on the code path of the runs that set it only.
+    fields = run_fields(p, seed, tech)
+    return runs.Run("wrn", fields, TRAIN_CODE + runs.closure(*registry.modules_for(fields["techniques"])), root)
 
 
 def train(
