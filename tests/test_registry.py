@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lowmem import runs
-from lowmem.techniques import checkpoint, compress, optimizers, precision, registry, sharding
+from lowmem.techniques import checkpoint, compress, optimizers, precision, registry, sharding, short_names
 from lowmem.techniques.step import Techniques
 from lowmem.wrn.train import TRAIN_CODE
 
@@ -50,7 +50,7 @@ def test_every_setting_of_a_lever_is_one_the_wrn_step_takes(field: str) -> None:
 
 def test_an_unknown_lever_or_optimizer_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match="no lever 'dropout': the levers are checkpointing, activation-bits"):
-        registry.get("dropout")
+        short_names.get("dropout")
     with pytest.raises(ValueError, match="optimizer='adam' is not one of sgd, optimi-sgd, bnb-sgd8bit"):
         Techniques(optimizer="adam")
 

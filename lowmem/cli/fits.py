@@ -9,7 +9,7 @@ from lowmem.cli.models import SpecError
 from lowmem.cli.plan import budget_bytes, followed
 from lowmem.cli.profile import Request
 from lowmem.memory import devices
-from lowmem.techniques import registry
+from lowmem.techniques import short_names
 from lowmem.techniques.step import Techniques
 
 PLANNED = ("precision", "microbatch", "checkpoint", "activation_bits")  # the Techniques fields --levers may set
@@ -34,9 +34,9 @@ def budget(text: str) -> tuple[int, tuple[str, ...]]:
 
 def parse_levers(text: str) -> Techniques:
     """'mixed-bf16+microbatch-8+checkpoint-block+activations-8' (the levers' short names,
-    ``lowmem.techniques.registry.parse``; 'plain' for none) as Techniques."""
+    ``lowmem.techniques.short_names.parse``; 'plain' for none) as Techniques."""
     try:
-        fields = registry.parse(text)
+        fields = short_names.parse(text)
         other = sorted(set(fields) - set(PLANNED))
         if other:  # the optimizer is --optimizer's, and sparsity is the model's own choice
             raise ValueError(f"--max-batch plans {', '.join(PLANNED)} only, not {', '.join(other)}")

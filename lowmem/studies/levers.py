@@ -2,7 +2,7 @@
 
 Every arm on ``combinations_wrn.train_seeds`` with the training block of ``combinations_wrn`` (so the baseline and
 the paper's arms are the combination study's own runs, from the run store where they have run). An arm is named by
-its levers' short names joined by '+' (``lowmem.techniques.registry.parse``: ``half-bf16+optimi-sgd``,
+its levers' short names joined by '+' (``lowmem.techniques.short_names.parse``: ``half-bf16+optimi-sgd``,
 ``microbatch-8+checkpoint-block+activations-2``; ``baseline`` is the recipe), so any lever the registry holds can be
 trained without code here. The studies (params.yaml's ``levers.studies``) pair the arms:
 
@@ -50,7 +50,7 @@ from lowmem.memory.accounting import CATEGORIES
 from lowmem.studies import quality
 from lowmem.studies.combination_grid import CombinationsParams, wrn_shape
 from lowmem.studies.quality_model import arm_change as change
-from lowmem.techniques import registry
+from lowmem.techniques import short_names
 from lowmem.techniques.step import Techniques
 from lowmem.wrn import memory as wrn_memory
 from lowmem.wrn.params import BaselineParams
@@ -60,9 +60,9 @@ MIB = 2**20
 
 
 def arm(name: str) -> Techniques:
-    """An arm is named by its levers' short names joined by '+' (``lowmem.techniques.registry.parse``):
+    """An arm is named by its levers' short names joined by '+' (``lowmem.techniques.short_names.parse``):
     ``half-bf16+optimi-sgd``, ``microbatch-8+checkpoint-block+activations-2``; ``baseline`` is the recipe."""
-    return Techniques(**registry.parse(name))
+    return Techniques(**short_names.parse(name))
 
 
 def studies(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
