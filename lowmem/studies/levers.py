@@ -131,6 +131,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--metrics", type=Path, required=True, help="write every arm's per-seed accuracy and memory here")
     ap.add_argument("--tables", type=Path, help="also write each study of levers.studies whose arms were all trained, "
                     "as Markdown into this folder (11_levers_<study>.md)")
+    ap.add_argument("--studies", nargs="+", metavar="STUDY", help="with --tables, these studies' tables only (default: "
+                    "every study whose arms were all trained)")
     ap.add_argument("--only", nargs="+", metavar="ARM", required=True,
                     help="the arms to train, each named by its levers' short names joined by '+' (baseline, half-bf16, "
                     "half-bf16+optimi-sgd, microbatch-8+checkpoint-block, ...): a study of their own, written to "
@@ -146,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"--only: arm {name!r}: {e}") from None
         found = studies(params)
+        unknown = sorted(set(args.studies or ()) - set(found))
+        if unknown:
+            raise ValueError(f"--studies: no study {unknown} in params.yaml's levers.studies ({', '.join(found)})")
         p = config.load("combinations_wrn", params)
         p.train["data_root"] = args.data_root
         res = train_arms(p, args.only)
@@ -154,6 +159,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runs.write_json(args.metrics, res)
     for name, study in found.items() if args.tables else ():
-        if all(a in res["arms"] for pair in study["pairs"] for a in pair):
+        if (args.studies is None or name in args.studies) and all(a in res["arms"] for pair in study["pairs"] for a in pair):
             (args.tables / f"11_levers_{name}.md").write_text(caption(res) + "\n\n" + table(res, study).round(3).to_markdown(index=False) + "\n")
     return 0
