@@ -43,3 +43,18 @@ def test_without_the_file_every_lossy_lever_is_unmeasured(tmp_path: Path) -> Non
     assert plan_rules.measured_effects(tmp_path) == {} and plan_fairseq.measured(tmp_path) == {}
     change, low, label = plan_rules.combine([("precision=half-bf16", plan_rules.measured_effects(tmp_path).get(("precision", "half-bf16")))])
     assert math.isnan(change) and math.isnan(low) and label == "precision=half-bf16: unmeasured"
+
+
+def test_the_levers_table_has_every_lever_of_the_registry_and_each_lossy_ones_measured_effect() -> None:
+    from lowmem.techniques import registry
+
+    committed = json.loads((ROOT / plan_rules.EFFECTS).read_text())
+    text = (ROOT / "figures" / "levers.md").read_text()
+    assert text == lever_effects.table(committed["wrn"])
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines()[4:]}
+    assert list(rows) == list(registry.levers())
+    sr = plan_rules.measured_effects(ROOT)[("optimizer", "sr-sgd")]
+    assert f"sr-sgd: {sr['change']:+.2f} [{sr['low']:+.2f}, {sr['high']:+.2f}], {sr['n']} seeds" in rows["stochastic-rounding"]
+    kahan = plan_rules.measured_effects(ROOT)[("precision", "half-bf16+kahan")]
+    assert f"half-bf16+kahan: {kahan['change']:+.2f}" in rows["kahan"]
+    assert "| bit-exact |" in rows["checkpointing"] and rows["checkpointing"].rstrip(" |").endswith("-")

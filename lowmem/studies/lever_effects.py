@@ -8,12 +8,16 @@ pandas' tables nor scipy's t. Two lists:
   lossy levers alone (figures/09_wrn_levers.csv, stage combinations), the compressed activations alone
   (metrics/levers_train.json), and the two optimizer swaps, each paired against the same update with fp32 state
   (Kahan's bf16 against torch-optimi's SGD in fp32, 8-bit momentum against the same; stages levers_train and
-  levers_state_train).
+  levers_state_train), and stochastic rounding's bf16 against its own SGD in fp32 (stage levers_rounding_train).
 - ``fairseq``: fairseq-train options -> DynamicConv's sacreBLEU change with its bootstrap interval, widened by the
   baseline's seed noise where that was measured at the same profile and length (figures/08_translation_techniques.csv;
   8-bit AdamW and Kahan's AdamW from stages translation_levers_train and translation_kahan_train).
 
-    python -m lowmem.pipeline lever-effects --root . --out metrics/lever_effects.json
+It also writes the levers table (``--table``, figures/levers.md): every lever of the registry
+(``lowmem.techniques.registry``), how a run sets it, whether it is exact and the test that proves it, and for a lossy
+one what WRN measured of it (the records above that its settings key).
+
+    python -m lowmem.pipeline lever-effects --root . --out metrics/lever_effects.json --table figures/levers.md
 """
 
 from __future__ import annotations
@@ -29,12 +33,13 @@ import pandas as pd
 from lowmem import runs
 from lowmem.studies import frontier, quality
 from lowmem.studies.quality_model import arm_change
-from lowmem.techniques import precision
+from lowmem.techniques import precision, registry, short_names
 
 # The optimizer swaps, each against the same update with fp32 state (what the swap changes), paired by seed:
 # (stage, arm, against, (lever, setting)). Kahan is keyed with the precision it compensates.
 WRN_SWAPS = (("levers_train", "half-bf16+optimi-sgd", "optimi-sgd", ("precision", "half-bf16+kahan")),
-             ("levers_state_train", "bnb-sgd8bit", "optimi-sgd", ("optimizer", "bnb-sgd8bit")))
+             ("levers_state_train", "bnb-sgd8bit", "optimi-sgd", ("optimizer", "bnb-sgd8bit")),
+             ("levers_rounding_train", "half-bf16+sr-sgd", "sr-sgd", ("optimizer", "sr-sgd")))
 # The levers beyond the paper trained on DynamicConv, by the flags the fairseq planner keys them with: (stage,
 # technique) whose trained arm measured them. Kahan is keyed with the precision it compensates.
 FAIRSEQ_LEVERS = {"--optimizer lowmem_adamw8bit": ("translation_levers_train", "adamw-8bit"),
@@ -75,6 +80,8 @@ def wrn(root: Path) -> list[dict[str, Any]]:
 def _lever(name: str) -> tuple[str, Any] | None:
     if name.startswith("microbatch-"):
         return ("microbatch", int(name.split("-")[1]))
+    if name.startswith("sparsity-"):
+        return ("sparsity", float(name.split("-")[1]))
     if name in precision.MODES:
         return ("precision", name)
     return None
@@ -132,11 +139,46 @@ def effects(root: Path) -> dict[str, Any]:
     return {"wrn": wrn(root), "fairseq": fairseq(root)}
 
 
+def _measures(lever: registry.Lever, effect: dict[str, Any]) -> bool:
+    """Whether an effect record of ``wrn`` measures ``lever``: its field at any value where the lever is a number or a
+    strategy (``short``), at one of its settings where the settings are its names, or, for an optimizer lever, a
+    swap whose arm sets it (Kahan's is keyed with the precision it compensates)."""
+    if not lever.field:
+        return False
+    key = (effect["lever"], effect["setting"])
+    if lever.field == "optimizer":
+        swaps = {k for _, arm, _, k in WRN_SWAPS if short_names.parse(arm).get("optimizer") in lever.settings}
+        return key in swaps or (key[0] == "optimizer" and key[1] in lever.settings)
+    return key[0] == lever.field and (bool(lever.short) or key[1] in lever.settings)
+
+
+def table(wrn_effects: list[dict[str, Any]]) -> str:
+    """The levers table: one row per lever of the registry, with what WRN measured of it."""
+    rows = []
+    for lv in registry.levers().values():
+        found = [e for e in wrn_effects if _measures(lv, e)]
+        measured = "; ".join(f"{e['setting']}: {e['change']:+.2f} [{e['low']:+.2f}, {e['high']:+.2f}], {e['n']} seeds"
+                             for e in found)
+        rows.append({"lever": lv.name, "what": lv.what, "set by (WRN)": (lv.short or ", ".join(map(str, lv.settings))) if lv.field else "-",
+                     "exact": lv.exact, "proof": f"`{lv.proof.split('::')[-1]}`",
+                     "WRN accuracy points, paired 95% interval": measured or ("-" if lv.exact != "lossy" else "not measured"),
+                     "its study's results": lv.quality or "-"})
+    caption = ("The levers, each declared once in its module (lowmem/techniques, `LEVER`). Measured: what the `cpu` "
+               "profile's studies measured of a lever alone against the same update without it (metrics/lever_effects.json: "
+               "WRN-16-1 on Fashion-MNIST, seeds paired, Student's t); not CIFAR-10 results. Exact levers carry no "
+               "measurement: their test proves them.")
+    return caption + "\n\n" + pd.DataFrame(rows).to_markdown(index=False) + "\n"
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--root", type=Path, default=Path("."), help="the checkout whose figures/ and metrics/ are read")
     ap.add_argument("--out", type=Path, required=True, help="the JSON to write (metrics/lever_effects.json)")
+    ap.add_argument("--table", type=Path, help="also write the levers table (Markdown) here: figures/levers.md")
 
 
 def run(a: argparse.Namespace) -> int:
-    runs.write_json(a.out, effects(a.root))
+    found = effects(a.root)
+    runs.write_json(a.out, found)
+    if a.table:
+        a.table.write_text(table(found["wrn"]))
     return 0
