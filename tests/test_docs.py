@@ -12,7 +12,7 @@ from lowmem.studies import frontier_tables
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
 STUDY_PAGES = ["memory-profile", "baseline", "sparsity", "precision", "microbatching", "checkpointing", "translation",
-               "combinations", "noise", "levers", "planner", "sharding", "gpu-check", "pipeline"]
+               "combinations", "noise", "levers", "rounding", "planner", "sharding", "gpu-check", "pipeline"]
 
 
 def test_every_number_in_the_readme_and_docs_is_embedded_traced_or_allowed() -> None:
