@@ -122,7 +122,7 @@ def test_stages_left_out_of_make_repro_keep_every_output_in_git_and_are_named_in
     page on the pipeline names each one and the command that runs it."""
     frozen = sorted(n for n, s in STAGES.items() if s.get("frozen"))
     assert frozen == ["bleu_noise_train", "combination_dynamicconv", "combination_search_wrn", "combination_wrn", "combinations_search_wrn",
-                      "combinations_sweep_dynamicconv", "combinations_sweep_wrn", "levers_state_train", "levers_train",
+                      "combinations_sweep_dynamicconv", "combinations_sweep_wrn", "levers_rounding_train", "levers_state_train", "levers_train",
                       "microbatching_train", "planner", "precision_train", "proxy_noise_train", "translation_activations_train",
                       "translation_kahan_train", "translation_levers_train", "translation_microbatch_train",
                       "translation_techniques_train"]
