@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -163,10 +164,12 @@ def table(wrn_effects: list[dict[str, Any]]) -> str:
                      "exact": lv.exact, "proof": f"`{lv.proof.split('::')[-1]}`",
                      "WRN accuracy points, paired 95% interval": measured or ("-" if lv.exact != "lossy" else "not measured"),
                      "its study's results": lv.quality or "-"})
-    caption = ("The levers, each declared once in its module (lowmem/techniques, `LEVER`). Measured: what the `cpu` "
-               "profile's studies measured of a lever alone against the same update without it (metrics/lever_effects.json: "
-               "WRN-16-1 on Fashion-MNIST, seeds paired, Student's t); not CIFAR-10 results. Exact levers carry no "
-               "measurement: their test proves them.")
+    profiles = sorted({m.group(1) for e in wrn_effects if (m := re.search(r"profile (\w+)", e["where"]))})
+    caption = (f"The levers, each declared once in its module (lowmem/techniques, `LEVER`). Measured: what the studies "
+               f"measured of a lever alone at profile `{', '.join(profiles) or 'none'}` (metrics/lever_effects.json; "
+               "seeds paired, Student's t; each study's results file names its model and data), against the same "
+               "update without it; proxy results, not CIFAR-10's. An exact lever is proven by its test; a measurement "
+               "beside one is of where it is not exact (microbatching with BatchNorm).")
     return caption + "\n\n" + pd.DataFrame(rows).to_markdown(index=False) + "\n"
 
 
